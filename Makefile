@@ -1,0 +1,26 @@
+# `make demo` and `make test` each create .venv on first use, install the project, and run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/elastic demo
+
+test: $(STAMP)
+	$(BIN)/python ../shared/tools/check_layers.py . || test ! -f ../shared/tools/check_layers.py
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/recovery.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,34 @@
+"""Elastic, fault-tolerant training for JAX: survive a slice loss in the same process.
+
+    import elastic
+
+Public names load lazily, so Ray workers that host the supervisor and agents do not import jax.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = (
+    "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
+    "Policy", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "Trainer", "View", "decide", "optax_step",
+)
+
+_WHERE = {
+    "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
+    "SupervisorError": "errors", "ElasticConfig": "config", "Policy": "config", "ElasticJob": "job",
+    "JobResult": "job", "Faults": "faults", "Run": "run", "Report": "report", "Trainer": "trainer",
+    "OptaxStep": "trainer", "optax_step": "trainer", "View": "membership", "decide": "policy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"elastic.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,76 @@
+"""The ``elastic`` command: ``elastic demo [--json] [--verify]``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _force_cpu_devices(count: int) -> None:
+    """Give jax ``count`` CPU devices; must run before jax initialises its backends."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _force_cpu_devices(args.slices * args.devices_per_slice)
+    from elastic.cluster import connect
+    from elastic.demo import DemoSpec, run_demo
+    from elastic.log import configure_logging
+    from elastic.progress import print_timeline
+
+    configure_logging(logging.INFO if args.verbose else logging.ERROR)
+    spec = DemoSpec(steps=args.steps, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
+                    kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
+                    snapshot_every=args.snapshot_every)
+    connect()
+    out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
+    timeline = out.pop("timeline")
+    if args.json:
+        out["timeline"] = timeline
+        print(json.dumps(out), flush=True)
+    else:
+        print_timeline(timeline, sys.stderr)
+        print(json.dumps(out, indent=2), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
+    demo.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
+    demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--slices", type=int, default=4)
+    demo.add_argument("--devices-per-slice", type=int, default=2)
+    demo.add_argument("--kill-slice", type=int, default=1)
+    demo.add_argument("--kill-at", type=int, default=55)
+    demo.add_argument("--revive-at", type=int, default=95)
+    demo.add_argument("--snapshot-every", type=int, default=10)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--verbose", action="store_true", help="structured events on stderr")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from elastic.errors import ElasticError
+
+    try:
+        return args.func(args)
+    except ElasticError as err:
+        print(f"elastic: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

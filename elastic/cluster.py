@@ -1,0 +1,127 @@
+"""Ray connection and the job's actors: one supervisor, one agent per slice.
+
+``connect`` joins the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets for its entry
+point) or starts an embedded one with ``ray.init(address="local")``. ``ActorGroup`` launches the
+supervisor and agents, waits (bounded) until each agent has registered, and tears them down.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from elastic.agent import SliceAgent
+from elastic.config import ElasticConfig
+from elastic.errors import SupervisorError
+from elastic.log import get_logger
+from elastic.supervisor import SUPERVISOR_NAME, Supervisor
+
+__all__ = ["connect", "ActorGroup"]
+
+
+def connect(address: str | None = None) -> bool:
+    """Make sure this process is a Ray driver; True if this call started an embedded cluster."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
+    if address:
+        ray.init(address=address, **common)
+        return False
+    ray.init(address="local", include_dashboard=False, **common)
+    return True
+
+
+class ActorGroup:
+    """The supervisor and the slice agents of one job."""
+
+    def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None) -> None:
+        self._config = config
+        self._agent_nodes = dict(agent_nodes or {})
+        self._agents: dict[int, Any] = {}
+        self._incarnations: dict[int, int] = {}
+        self._log = get_logger("elastic.cluster", job=config.job_name)
+        self.supervisor: Any = None
+        self.log_path = os.path.join(
+            tempfile.gettempdir(), f"elastic-{config.job_name}-{uuid.uuid4().hex[:8]}.events.jsonl"
+        )
+
+    def launch(self) -> None:
+        """Start the supervisor and every agent; return once all registered and judging began."""
+        cfg = self._config
+        try:
+            ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
+        except ValueError:
+            pass
+        else:
+            raise SupervisorError(
+                f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r}: "
+                "pick another job_name or stop that job first"
+            )
+        self.supervisor = Supervisor.options(
+            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", get_if_exists=False
+        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.log_path)
+        for index in range(cfg.num_slices):
+            self.spawn_agent(index, wait=False)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        pending = [self._agents[i].start.remote() for i in sorted(self._agents)]
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)
+        if not_ready:
+            raise SupervisorError(
+                f"{len(not_ready)} of {len(pending)} slice agents did not register within startup_timeout_s="
+                f"{cfg.startup_timeout_s}; is the Ray cluster big enough and healthy?"
+            )
+        ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
+        ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
+
+    def spawn_agent(self, index: int, *, wait: bool = True) -> None:
+        """Start a (new incarnation of the) agent of slice ``index``."""
+        cfg = self._config
+        incarnation = self._incarnations.get(index, -1) + 1
+        self._incarnations[index] = incarnation
+        options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
+                                   "lifetime": "detached"}
+        if index in self._agent_nodes:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
+        agent = SliceAgent.options(**options).remote(
+            index, incarnation, self.supervisor, cfg.heartbeat_interval_s, cfg.job_name
+        )
+        self._agents[index] = agent
+        if wait:
+            ray.get(agent.start.remote(), timeout=cfg.startup_timeout_s)
+
+    def agent(self, index: int) -> Any:
+        return self._agents[index]
+
+    def kill_agent(self, index: int) -> None:
+        """Kill slice ``index``'s agent for real (as its host dying would)."""
+        ray.kill(self._agents[index], no_restart=True)
+
+    @retry(retry=retry_if_exception_type(ray.exceptions.GetTimeoutError), stop=stop_after_delay(30),
+           wait=wait_exponential(multiplier=0.1, max=2), reraise=True)
+    def events(self) -> list[dict[str, Any]]:
+        return ray.get(self.supervisor.events.remote(), timeout=10)
+
+    def shutdown(self) -> None:
+        """Kill every actor of the job (they are detached, so nothing else would)."""
+        for agent in self._agents.values():
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        if self.supervisor is not None:
+            try:
+                ray.kill(self.supervisor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self._agents.clear()
+        try:
+            os.remove(self.log_path)
+        except OSError:
+            pass

@@ -1,0 +1,44 @@
+"""The one error root of the public API, and its subclasses.
+
+Every error the public API raises on purpose is an :class:`ElasticError`; errors from the layers
+below are re-raised as one ``from`` the original. Each pickles with its fields, so it survives
+crossing a Ray actor boundary.
+"""
+from __future__ import annotations
+
+__all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError", "SupervisorError"]
+
+
+class ElasticError(Exception):
+    """Root of every error this project raises on purpose."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class ConfigError(ElasticError, ValueError):
+    """Bad configuration or input; the message says what to fix. Nothing saved was touched."""
+
+
+class GiveUpError(ElasticError):
+    """The supervisor gave up on the job (too few slices for too long, or too many failures)."""
+
+    def __init__(self, reason: str, *, epoch: int = -1) -> None:
+        super().__init__(f"the job gave up at epoch {epoch}: {reason}")
+        self.reason = reason
+        self.epoch = epoch
+
+    def __reduce__(self):
+        return (_rebuild_give_up, (self.reason, self.epoch))
+
+
+def _rebuild_give_up(reason: str, epoch: int) -> GiveUpError:
+    return GiveUpError(reason, epoch=epoch)
+
+
+class RecoveryTimeoutError(ElasticError, TimeoutError):
+    """A wait during recovery (a new membership view, the supervisor) ran past its bound."""
+
+
+class SupervisorError(ElasticError):
+    """The supervisor could not be started or reached."""

@@ -1,0 +1,118 @@
+"""What the user's loop receives: the current mesh, the state restored onto it, and the steps to run.
+
+The loop iterates ``run.steps`` (it resumes at the snapshot's step), computes each step and calls
+``run.commit(state)`` once per step. A commit waits for the step's result, so a lost slice surfaces
+there at the latest; it also takes the periodic snapshot and, when the membership view has changed,
+ends this pass at the step boundary so the job re-enters the loop on the new mesh.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from elastic.errors import ConfigError
+from elastic.membership import View
+from runtime import batch_sharding, guarded, wait_ready
+
+if TYPE_CHECKING:
+    from elastic.job import ElasticJob
+
+__all__ = ["Run", "Regroup"]
+
+
+class Regroup(BaseException):
+    """Unwinds the user's loop at a step boundary after the view changed (a ``BaseException`` so that a
+    broad ``except Exception`` in the loop does not swallow it)."""
+
+    def __init__(self, view: View) -> None:
+        super().__init__(f"membership changed to epoch {view.epoch}")
+        self.view = view
+
+
+class Run:
+    """One pass of the user's loop over one membership view. Built by :class:`ElasticJob`."""
+
+    def __init__(self, job: ElasticJob, *, view: View, mesh: Mesh, state: Any, start_step: int,
+                 extras: dict[str, Any]) -> None:
+        self._job = job
+        self.view = view
+        self.mesh = mesh
+        self.state = state
+        self.start_step = start_step
+        self.extras = extras
+        self._devices = tuple(mesh.devices.flat)
+        self._pending: int | None = None
+        self._steps_started = False
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.view.active))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def num_steps(self) -> int:
+        return self._job.config.num_steps
+
+    @property
+    def steps(self) -> Iterator[int]:
+        """Step numbers from the snapshot's step to the last; each must be committed before the next."""
+        if self._steps_started:
+            raise ConfigError("run.steps may be iterated once per pass of the loop")
+        self._steps_started = True
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        for step in range(self.start_step, self.num_steps):
+            self._pending = step
+            self._job._before_step(step)
+            yield step
+            if self._pending is not None:
+                raise ConfigError(f"step {step} ended without run.commit(state): commit once per step")
+
+    def commit(self, state: Any, *, batch: int | None = None, **metrics: Any) -> None:
+        """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
+
+        Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile.
+        """
+        step = self._pending
+        if step is None:
+            raise ConfigError("run.commit() must be called once per step, inside `for step in run.steps`")
+        wait_ready((state, metrics), self._devices)
+        self._pending = None
+        self.state = state
+        self._job._on_commit(self, step, state, step if batch is None else batch, metrics)
+
+    def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+        """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices."""
+        return guarded(jax.jit(fn, **jit_kwargs), self._devices)
+
+    def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (already compiled or plain) dispatched through the runtime's guard."""
+        return guarded(fn, self._devices)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a global host batch on the mesh, its leading dimension split over every device."""
+        sharding = batch_sharding(self.mesh)
+        for leaf in jax.tree_util.tree_leaves(batch):
+            if np.shape(leaf)[0] % self.num_devices:
+                raise ConfigError(
+                    f"a batch of {np.shape(leaf)[0]} rows does not split over {self.num_devices} devices; "
+                    "use a batch size that divides every device count you may shrink to, or elastic.Trainer "
+                    "with elastic.optax_step, which splits it into micro-batches"
+                )
+        return self.guard(jax.device_put)(batch, sharding)
+
+    def key(self, step: int) -> jax.Array:
+        """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
+        return jax.random.fold_in(jax.random.key(self._job.config.seed), step)

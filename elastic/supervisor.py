@@ -1,0 +1,186 @@
+"""The supervisor: one detached, named Ray actor per job holding the membership view.
+
+It observes slice health (registrations, heartbeats, agent death, client reports), appends each
+observation to a history, asks :func:`elastic.policy.decide` what to do, and publishes the answer as a
+new :class:`~elastic.membership.View` with a higher epoch. Clients wait on epoch changes with
+``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to a JSON-lines
+event log, from which a restarted supervisor rebuilds its view; agents re-register on their next
+heartbeat.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from elastic.config import Policy
+from elastic.log import get_logger
+from elastic.membership import HealthEvent, View
+from elastic.policy import GiveUp, Grow, Shrink, Stay, Wait, decide, healthy_slices
+
+__all__ = ["Supervisor", "SUPERVISOR_NAME"]
+
+SUPERVISOR_NAME = "supervisor"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Supervisor:
+    def __init__(self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, log_path: str) -> None:
+        self._job = job
+        self._policy = policy
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._tick_s = tick_s
+        self._log_path = log_path
+        self._view = View()
+        self._history: list[HealthEvent] = []
+        self._beats: dict[int, float] = {}
+        self._incarnations: dict[int, int] = {}
+        self._revoked: set[tuple[int, int]] = set()  # (slice, incarnation) judged lost: never healthy again
+        self._events: list[dict[str, Any]] = []
+        self._cond: asyncio.Condition | None = None
+        self._monitor: asyncio.Task | None = None
+        self._log = get_logger("elastic.supervisor", job=job)
+        self._replay()
+
+    # -- durable log ---------------------------------------------------------------------------
+    def _append(self, record: dict[str, Any]) -> None:
+        record = {"wall": time.time(), **record}
+        self._events.append(record)
+        with open(self._log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _replay(self) -> None:
+        """Rebuild the view after a restart; slices count as healthy again once they re-register."""
+        if not os.path.exists(self._log_path):
+            return
+        with open(self._log_path, encoding="utf-8") as f:
+            self._events = [json.loads(line) for line in f if line.strip()]
+        for e in self._events:
+            if e["kind"] == "view":
+                self._view = View(epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"],
+                                  reason=e["reason"])
+        self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active))
+
+    # -- observations --------------------------------------------------------------------------
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _is_healthy(self, slice_index: int) -> bool:
+        return slice_index in healthy_slices(self._history)
+
+    def _observe(self, slice_index: int, healthy: bool, cause: str) -> None:
+        if self._is_healthy(slice_index) == healthy and any(e.slice == slice_index for e in self._history):
+            return
+        self._history.append(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
+        self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause})
+        self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch)
+
+    async def register(self, slice_index: int, incarnation: int, agent: Any) -> View:
+        """An agent (new, restarted or replacing a lost one) reports its slice healthy.
+
+        An incarnation once judged lost stays lost: only a new agent brings its slice back.
+        """
+        if (slice_index, incarnation) in self._revoked:
+            return self._view
+        self._incarnations[slice_index] = incarnation
+        self._beats[slice_index] = time.monotonic()
+        self._observe(slice_index, True, f"agent registered (incarnation {incarnation})")
+        asyncio.get_running_loop().create_task(self._watch(slice_index, incarnation, agent))
+        await self._evaluate()
+        return self._view
+
+    async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
+        """False tells the agent to register again (this supervisor does not know it)."""
+        if self._incarnations.get(slice_index) != incarnation:
+            return False
+        self._beats[slice_index] = time.monotonic()
+        return True
+
+    async def report_lost(self, slices: list[int], cause: str) -> View:
+        """A client saw these slices fail (e.g. its computation raised a slice-loss error)."""
+        for s in slices:
+            self._revoke(s)
+            self._observe(s, False, f"client report: {cause}")
+        await self._evaluate()
+        return self._view
+
+    def _revoke(self, slice_index: int) -> None:
+        incarnation = self._incarnations.pop(slice_index, None)
+        if incarnation is not None:
+            self._revoked.add((slice_index, incarnation))
+
+    async def _watch(self, slice_index: int, incarnation: int, agent: Any) -> None:
+        """Notice the agent's death at once: its lifeline call fails when the actor dies."""
+        try:
+            await agent.lifeline.remote()
+        except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
+            if self._incarnations.get(slice_index) == incarnation:
+                self._revoke(slice_index)
+                self._observe(slice_index, False, f"agent died: {type(err).__name__}")
+                await self._evaluate()
+
+    # -- decisions -----------------------------------------------------------------------------
+    async def start(self) -> View:
+        """Begin judging health (call once every initial agent has registered)."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
+        await self._evaluate()
+        return self._view
+
+    async def _run_monitor(self) -> None:
+        while True:
+            now = time.monotonic()
+            for s, seen in list(self._beats.items()):
+                if s in self._incarnations and now - seen > self._heartbeat_timeout_s:
+                    self._revoke(s)
+                    self._observe(s, False, f"no heartbeat for {now - seen:.1f}s")
+            await self._evaluate()
+            await asyncio.sleep(self._tick_s)
+
+    async def _evaluate(self) -> None:
+        if self._monitor is None:
+            return
+        decision = decide(self._view, self._history, time.monotonic(), self._policy)
+        if isinstance(decision, (Stay, Wait)):
+            if isinstance(decision, Wait) and (not self._events or self._events[-1].get("reason") != decision.reason):
+                self._append({"kind": "wait", "reason": decision.reason})
+            return
+        if isinstance(decision, (Shrink, Grow)):
+            view = View(epoch=self._view.epoch + 1, active=decision.to, reason=decision.reason)
+        else:
+            assert isinstance(decision, GiveUp)
+            view = View(epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason,
+                        reason=decision.reason)
+        self._view = view
+        self._append({"kind": "view", "decision": type(decision).__name__, **asdict(view),
+                      "active": sorted(view.active)})
+        self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)
+        async with self._condition():
+            self._condition().notify_all()
+
+    # -- queries -------------------------------------------------------------------------------
+    async def view(self) -> View:
+        return self._view
+
+    async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
+        """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self._view.epoch > after), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._view
+
+    async def events(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+    async def healthy(self) -> list[int]:
+        return sorted(healthy_slices(self._history))

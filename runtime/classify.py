@@ -1,0 +1,51 @@
+"""Slice-loss classification: the one place that decides whether an error means a slice is gone."""
+from __future__ import annotations
+
+import enum
+import re
+
+import jax
+
+__all__ = ["FailureKind", "classify_failure", "is_slice_loss"]
+
+
+class FailureKind(enum.Enum):
+    SLICE_LOSS = "slice_loss"  # devices are gone: recover on the survivors
+    OTHER = "other"  # a bug or bad input: surface it
+
+
+# Status codes with which XLA runtimes report lost devices, lost hosts or broken collectives.
+_SLICE_LOSS_CODES = ("DATA_LOSS", "UNAVAILABLE", "ABORTED")
+# INTERNAL errors that mean hardware or a peer went away rather than a bug in the program.
+_SLICE_LOSS_INTERNAL = re.compile(
+    r"(halted|heartbeat|failed to connect|connection reset|socket closed|device or resource busy"
+    r"|slice .* (down|lost|unhealthy)|barrier timed out)",
+    re.IGNORECASE,
+)
+_CODE = re.compile(r"^\s*(?:[A-Za-z_.]+Error:\s*)?([A-Z_]+):")
+
+
+def _status_code(message: str) -> str | None:
+    match = _CODE.match(message)
+    return match.group(1) if match else None
+
+
+def classify_failure(err: BaseException) -> FailureKind:
+    """Classify ``err`` (or any error in its ``__cause__``/``__context__`` chain)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, jax.errors.JaxRuntimeError):
+            message = str(current)
+            code = _status_code(message)
+            if code in _SLICE_LOSS_CODES:
+                return FailureKind.SLICE_LOSS
+            if code == "INTERNAL" and _SLICE_LOSS_INTERNAL.search(message):
+                return FailureKind.SLICE_LOSS
+        current = current.__cause__ or current.__context__
+    return FailureKind.OTHER
+
+
+def is_slice_loss(err: BaseException) -> bool:
+    return classify_failure(err) is FailureKind.SLICE_LOSS

@@ -1,0 +1,119 @@
+"""Slices: groups of devices that fail together.
+
+A TPU slice is found from ``device.slice_index``; any other local devices are grouped by a configured
+size; and a simulated N x M topology groups forced CPU devices for tests and the demo.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+__all__ = ["Slice", "Topology", "TopologyError", "topology_from_devices", "simulated_topology"]
+
+
+class TopologyError(ValueError):
+    """The devices cannot be grouped into slices as asked."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slice:
+    """One failure domain: ``index`` is stable for the life of the job."""
+
+    index: int
+    devices: tuple[Any, ...]
+
+    @property
+    def device_ids(self) -> frozenset[int]:
+        return frozenset(d.id for d in self.devices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Every slice the job was started with, healthy or not, ordered by index."""
+
+    slices: tuple[Slice, ...]
+
+    def __post_init__(self) -> None:
+        sizes = {len(s.devices) for s in self.slices}
+        if not self.slices:
+            raise TopologyError("a topology needs at least one slice")
+        if len(sizes) != 1:
+            raise TopologyError(f"every slice must hold the same number of devices, got sizes {sorted(sizes)}")
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    @property
+    def devices_per_slice(self) -> int:
+        return len(self.slices[0].devices)
+
+    @property
+    def indices(self) -> frozenset[int]:
+        return frozenset(s.index for s in self.slices)
+
+    def slice(self, index: int) -> Slice:
+        for s in self.slices:
+            if s.index == index:
+                return s
+        raise TopologyError(f"no slice {index}; slices are {sorted(self.indices)}")
+
+    def select(self, indices: frozenset[int] | Sequence[int]) -> tuple[Slice, ...]:
+        """The slices named by ``indices``, in index order."""
+        return tuple(self.slice(i) for i in sorted(indices))
+
+    def slice_of(self, device: Any) -> int:
+        for s in self.slices:
+            if device.id in s.device_ids:
+                return s.index
+        raise TopologyError(f"device {device} belongs to no slice of this topology")
+
+
+def topology_from_devices(devices: Sequence[Any] | None = None, *, devices_per_slice: int | None = None) -> Topology:
+    """Group ``devices`` (default: ``jax.devices()``) into slices.
+
+    Devices that carry ``slice_index`` (TPU multi-slice) are grouped by it; otherwise
+    ``devices_per_slice`` must be given and must divide the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if devices_per_slice is None:
+        if not all(getattr(d, "slice_index", None) is not None for d in devices):
+            raise TopologyError(
+                "these devices carry no slice_index: pass devices_per_slice to group them into slices"
+            )
+        groups: dict[int, list[Any]] = {}
+        for d in devices:
+            groups.setdefault(int(d.slice_index), []).append(d)
+        return Topology(slices=tuple(Slice(index=i, devices=tuple(groups[i])) for i in sorted(groups)))
+    if devices_per_slice < 1 or len(devices) % devices_per_slice:
+        raise TopologyError(
+            f"devices_per_slice={devices_per_slice} does not divide the {len(devices)} devices; "
+            f"choose a divisor of {len(devices)}"
+        )
+    return Topology(
+        slices=tuple(
+            Slice(index=i, devices=tuple(devices[i * devices_per_slice : (i + 1) * devices_per_slice]))
+            for i in range(len(devices) // devices_per_slice)
+        )
+    )
+
+
+def simulated_topology(num_slices: int, devices_per_slice: int) -> Topology:
+    """``num_slices`` x ``devices_per_slice`` simulated slices over the local CPU devices.
+
+    The CPU device count must have been raised before jax started, e.g. with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` or ``jax.config.update('jax_num_cpu_devices', 8)``.
+    """
+    need = num_slices * devices_per_slice
+    if num_slices < 1 or devices_per_slice < 1:
+        raise TopologyError(f"a simulated topology needs positive sizes, got {num_slices} x {devices_per_slice}")
+    cpus = jax.devices("cpu")
+    if len(cpus) < need:
+        raise TopologyError(
+            f"{num_slices} slices x {devices_per_slice} devices need {need} CPU devices but jax has {len(cpus)}: "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={need} before jax is imported"
+        )
+    return topology_from_devices(cpus[:need], devices_per_slice=devices_per_slice)
