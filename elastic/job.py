@@ -29,7 +29,7 @@ from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
 from elastic.run import Regroup, Run
 from elastic.watcher import ViewWatcher
-from snapshot import SnapshotError, SnapshotStore
+from snapshot import Snapshot, SnapshotError, SnapshotStore
 
 __all__ = ["ElasticJob", "JobResult"]
 
@@ -153,6 +153,10 @@ class ElasticJob:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def latest_snapshot(self) -> Snapshot:
+        """The newest intact host snapshot (raises ``NoSnapshotError`` before the first)."""
+        return self._store.latest()
 
     @property
     def group(self) -> ActorGroup:
