@@ -15,11 +15,12 @@ from .helpers import ledger_job
 pytestmark = pytest.mark.integration
 
 
-def _view_change_within(job, bound_s: float) -> tuple[View, float]:
-    """Wait (bounded) for the supervisor to publish a view past the first one; return it and the time taken."""
+def _view_change_after(job, fault, bound_s: float) -> tuple[View, float]:
+    """Run ``fault``, then wait (bounded) for the supervisor's next view; return it and the time taken."""
     sup = job.group.supervisor
     first = ray.get(sup.view.remote(), timeout=10)
     t0 = time.monotonic()
+    fault()
     view = ray.get(sup.wait_for_epoch.remote(first.epoch, bound_s), timeout=bound_s + 10)
     return view, time.monotonic() - t0
 
@@ -27,8 +28,7 @@ def _view_change_within(job, bound_s: float) -> tuple[View, float]:
 def test_dead_agent_is_noticed_at_once(ray_local):
     job, _ = ledger_job("dead-agent")
     with job:
-        job.group.kill_agent(2)
-        view, took = _view_change_within(job, bound_s=10)
+        view, took = _view_change_after(job, lambda: job.group.kill_agent(2), bound_s=10)
     assert view.active == frozenset({0, 1, 3}), view
     assert "lost slice(s) 2" in view.reason
     assert took < job.config.heartbeat_timeout_s  # the lifeline fires before any heartbeat timeout would
@@ -37,8 +37,8 @@ def test_dead_agent_is_noticed_at_once(ray_local):
 def test_silent_agent_is_dropped_after_heartbeat_timeout(ray_local):
     job, _ = ledger_job("silent-agent")
     with job:
-        ray.get(job.group.agent(3).silence.remote(), timeout=10)
-        view, took = _view_change_within(job, bound_s=10)
+        view, took = _view_change_after(job, lambda: ray.get(job.group.agent(3).silence.remote(), timeout=10),
+                                        bound_s=10)
         events = job.group.events()
     assert view.active == frozenset({0, 1, 2}), view
     assert any(e["kind"] == "health" and e["slice"] == 3 and "no heartbeat" in e["cause"] for e in events)

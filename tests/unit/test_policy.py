@@ -211,6 +211,7 @@ def test_decide_is_pure(view, history):
     reason="BUG: _below_min_since counts healthy slices, not usable ones; when a quarantined slice comes back "
     "healthy the usable count stays below min_slices but decide answers Stay('waiting for slices to register') "
     "forever instead of Wait/GiveUp",
+    raises=AssertionError,
     strict=True,
 )
 def test_quarantine_below_min_waits_then_gives_up(now):
