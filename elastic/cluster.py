@@ -64,8 +64,10 @@ class ActorGroup:
                 f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r}: "
                 "pick another job_name or stop that job first"
             )
+        # On the client's node by preference: a host loss elsewhere must not take the supervisor with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.supervisor = Supervisor.options(
-            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", get_if_exists=False
+            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
         ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.log_path)
         for index in range(cfg.num_slices):
             self.spawn_agent(index, wait=False)

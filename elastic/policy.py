@@ -66,15 +66,22 @@ def _failures(history: Sequence[HealthEvent]) -> dict[int, int]:
     return counts
 
 
-def _below_min_since(history: Sequence[HealthEvent], min_slices: int) -> float | None:
-    """Time since which the healthy count has stayed below ``min_slices`` (None if it is not below)."""
+def _below_min_since(history: Sequence[HealthEvent], policy: Policy) -> float | None:
+    """Time since which the usable count has stayed below ``min_slices`` (None if it never reached it).
+
+    A slice stops being usable from the failure that quarantines it onward.
+    """
     last: dict[int, bool] = {}
+    failed: dict[int, int] = {}
     since: float | None = None
     seen_enough = False
     for e in history:
         last[e.slice] = e.healthy
-        count = sum(last.values())
-        if count >= min_slices:
+        if not e.healthy:
+            failed[e.slice] = failed.get(e.slice, 0) + 1
+        limit = policy.max_slice_failures
+        count = sum(ok and not (limit and failed.get(s, 0) >= limit) for s, ok in last.items())
+        if count >= policy.min_slices:
             seen_enough, since = True, None
         elif seen_enough and since is None:
             since = e.time
@@ -96,7 +103,7 @@ def decide(view: View, history: Sequence[HealthEvent], now: float, policy: Polic
     healthy = healthy_slices(history)
     usable = healthy - quarantined
     if len(usable) < policy.min_slices:
-        since = _below_min_since(history, policy.min_slices)
+        since = _below_min_since(history, policy)
         if since is None:  # the job never had enough slices yet: still starting up
             return Stay(reason=f"waiting for slices to register: {len(usable)} of {policy.min_slices} needed")
         deadline = since + policy.repair_timeout_s

@@ -39,12 +39,13 @@ class Supervisor:
         self._view = View()
         self._history: list[HealthEvent] = []
         self._beats: dict[int, float] = {}
-        self._incarnations: dict[int, int] = {}
-        self._revoked: set[tuple[int, int]] = set()  # (slice, incarnation) judged lost: never healthy again
+        self._incarnations: dict[int, int | None] = {}
+        self._revoked: set[tuple[int, int | None]] = set()  # (slice, incarnation) judged lost: never healthy again
         self._events: list[dict[str, Any]] = []
         self._cond: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
         self._log = get_logger("elastic.supervisor", job=job)
+        self._resume = False
         self._replay()
 
     # -- durable log ---------------------------------------------------------------------------
@@ -64,6 +65,13 @@ class Supervisor:
             if e["kind"] == "view":
                 self._view = View(epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"],
                                   reason=e["reason"])
+        # The active slices count as healthy until their agents fail to re-register within a heartbeat timeout.
+        now = time.monotonic()
+        for s in self._view.active:
+            self._history.append(HealthEvent(time=now, slice=s, healthy=True, cause="rebuilt from the event log"))
+            self._beats[s] = now
+            self._incarnations[s] = None  # unknown until the agent registers again
+        self._resume = self._view.epoch > 0
         self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active))
 
     # -- observations --------------------------------------------------------------------------
@@ -87,6 +95,7 @@ class Supervisor:
 
         An incarnation once judged lost stays lost: only a new agent brings its slice back.
         """
+        self._ensure_monitor()
         if (slice_index, incarnation) in self._revoked:
             return self._view
         self._incarnations[slice_index] = incarnation
@@ -98,6 +107,7 @@ class Supervisor:
 
     async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
         """False tells the agent to register again (this supervisor does not know it)."""
+        self._ensure_monitor()
         if self._incarnations.get(slice_index) != incarnation:
             return False
         self._beats[slice_index] = time.monotonic()
@@ -129,10 +139,15 @@ class Supervisor:
     # -- decisions -----------------------------------------------------------------------------
     async def start(self) -> View:
         """Begin judging health (call once every initial agent has registered)."""
-        if self._monitor is None:
-            self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
+        self._resume = True
+        self._ensure_monitor()
         await self._evaluate()
         return self._view
+
+    def _ensure_monitor(self) -> None:
+        """Judging runs once started; a supervisor rebuilt after a restart resumes it on its first call."""
+        if self._monitor is None and self._resume:
+            self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
 
     async def _run_monitor(self) -> None:
         while True:
@@ -171,6 +186,7 @@ class Supervisor:
 
     async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
         """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
+        self._ensure_monitor()
         cond = self._condition()
         async with cond:
             try:

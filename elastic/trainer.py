@@ -94,12 +94,12 @@ class Trainer:
             (size,) = rows
             plan = runtime.plan_microbatches(size, run.num_devices)
             if len(plan) == 1 and plan[0].sharded:
-                state, loss = fused(state, run.shard_batch(batch))
+                state, out = fused(state, run.shard_batch(batch))
             elif isinstance(self._step, OptaxStep):
-                state, loss = self._accumulate(run, state, batch, plan, size)
+                state, out = self._accumulate(run, state, batch, plan, size)
             else:
                 run.shard_batch(batch)  # raises the ConfigError that says what to change
-            run.commit(state, loss=loss)
+            run.commit(state, **(out if isinstance(out, dict) else {"loss": out}))
         return state
 
     def _accumulate(self, run: Run, state: Any, batch: Any, plan: tuple[runtime.Chunk, ...], size: int) -> Any:

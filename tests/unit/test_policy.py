@@ -207,13 +207,6 @@ def test_decide_is_pure(view, history):
 
 
 @pytest.mark.parametrize("now", [1000.0, 30.0], ids=["after-deadline", "before-deadline"])
-@pytest.mark.xfail(
-    reason="BUG: _below_min_since counts healthy slices, not usable ones; when a quarantined slice comes back "
-    "healthy the usable count stays below min_slices but decide answers Stay('waiting for slices to register') "
-    "forever instead of Wait/GiveUp",
-    raises=AssertionError,
-    strict=True,
-)
 def test_quarantine_below_min_waits_then_gives_up(now):
     policy = Policy(min_slices=2, repair_timeout_s=60.0, max_slice_failures=1)
     view = View(epoch=1, active=frozenset({0, 1}))

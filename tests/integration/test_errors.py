@@ -1,0 +1,96 @@
+"""Promise 5: bad configuration or input fails at once, says what to fix, and loses nothing saved."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from elastic import ConfigError, ElasticConfig, ElasticJob, Faults, Policy, Trainer
+
+from .helpers import config, ledger_job
+
+
+def _init(key):
+    return {"w": jnp.zeros((24, 4)), "b": jnp.zeros((4,))}
+
+
+def test_min_slices_above_slice_count():
+    with pytest.raises(ConfigError, match=r"min_slices=5 is above num_slices=4.*lower min_slices"):
+        ElasticConfig(num_slices=4, policy=Policy(min_slices=5))
+
+
+def test_state_structure_not_matching_shardings_fails_before_anything_starts():
+    with pytest.raises(ConfigError, match="one sharding or PartitionSpec per array leaf"):
+        ElasticJob(config("bad-structure"), init_fn=_init, shardings_fn=lambda mesh: {"w": P()})
+    # No Ray was needed to find out.
+    import ray
+
+    assert not ray.is_initialized() or ray.util.list_named_actors(all_namespaces=True) is not None
+
+
+def test_leaf_that_does_not_split_over_the_mesh():
+    with pytest.raises(ConfigError, match=r"state leaf \['b'\] of shape \(4,\) does not split"):
+        ElasticJob(config("bad-split"), init_fn=_init,
+                   shardings_fn=lambda mesh: {"w": P(("replica", "local")), "b": P(("replica", "local"))})
+
+
+def test_too_few_devices_names_the_flag():
+    with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=16"):
+        ElasticJob(config("too-big", num_slices=8, devices_per_slice=2), init_fn=_init)
+
+
+def test_impossible_faults_are_rejected_at_once():
+    with pytest.raises(ConfigError, match="slice 7; slices are 0..3"):
+        ElasticJob(config("bad-fault"), init_fn=_init, faults=Faults().kill_slice(7, at_step=1))
+
+
+def test_loop_that_stops_early_is_an_error_and_keeps_snapshots(ray_local):
+    job, _ = ledger_job("early-exit")
+
+    def loop(run):
+        state = run.state
+        for step in run.steps:
+            run.commit(state)
+            if step == 7:
+                return state
+        return state
+
+    with job, pytest.raises(ConfigError, match="returned before committing step 39"):
+        job.run(loop)
+    assert job.latest_snapshot().step == 5
+
+
+def test_commit_outside_the_steps(ray_local):
+    job, _ = ledger_job("stray-commit")
+    with job, pytest.raises(ConfigError, match="inside `for step in run.steps`"):
+        job.run(lambda run: run.commit(run.state))
+
+
+def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
+    def batch_fn(step):
+        rows = 48 if step != 17 else 47
+        return {"x": np.zeros((rows, 16), np.float32), "y": np.zeros((rows - (step == 17), 1), np.float32)}
+
+    from elastic import optax_step
+    from elastic.demo import init_params, loss_fn
+    import optax
+
+    trainer = Trainer(init_fn=init_params, step_fn=optax_step(loss_fn, optax.sgd(0.1)), batch_fn=batch_fn,
+                      config=config("bad-batch"))
+    with pytest.raises(ConfigError, match=r"batch_fn\(17\) returned leaves with different leading sizes"):
+        trainer.fit()
+    snap = trainer.job.latest_snapshot()
+    assert snap.step == 15 and trainer.job.ledger.steps == list(range(17))
+
+
+def test_plain_step_fn_with_indivisible_batch_after_shrink_says_what_to_do(ray_local):
+    def step_fn(state, batch):
+        return jax.tree_util.tree_map(lambda w: w + batch.mean(), state), {"loss": batch.mean()}
+
+    trainer = Trainer(init_fn=_init, step_fn=step_fn, batch_fn=lambda step: np.ones((8,), np.float32),
+                      config=config("plain-indivisible", num_steps=10), faults=Faults().kill_slice(0, at_step=3))
+    with pytest.raises(ConfigError, match="elastic.optax_step"):
+        trainer.fit()
+    assert trainer.job.latest_snapshot().step == 0

@@ -1,0 +1,63 @@
+"""The supervisor outlives its own restart and sees a host die on a real Ray node."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from .helpers import ledger_job
+
+pytestmark = pytest.mark.integration
+
+
+def test_supervisor_restart_rebuilds_view_and_keeps_supervising(ray_local):
+    killed: dict[str, int] = {}
+
+    def kill_supervisor(step, metrics, run):
+        if step == 8 and not killed:
+            killed["epoch"] = run.epoch
+            ray.kill(job.group.supervisor, no_restart=False)  # Ray restarts it; it replays its event log
+
+    job, loop = ledger_job("sup-restart", on_step=kill_supervisor, num_steps=30)
+    with job:
+        result = job.run(loop)
+        sup = job.group.supervisor
+        view = ray.get(sup.view.remote(), timeout=60)
+        assert view.epoch == killed["epoch"] and view.active == frozenset(range(4)), view
+        # The rebuilt supervisor still notices an agent dying (agents re-registered with it).
+        job.group.kill_agent(1)
+        after = ray.get(sup.wait_for_epoch.remote(view.epoch, 20), timeout=40)
+    assert after.active == frozenset({0, 2, 3}), after
+    r = result.report
+    assert r.steps_committed == 30 and r.min_slices_seen == 4 and r.duplicate_steps == 0
+
+
+def test_host_loss_on_a_real_ray_node():
+    """A Ray node holding slice 3's agent is removed for real: the job shrinks and loses no step."""
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        host = cluster.add_node(num_cpus=0)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+
+        def remove_host(step, metrics, run):
+            if step == 5 and run.epoch == 1:
+                cluster.remove_node(host)  # kills the raylet and every actor on it
+                ray.get(job.group.supervisor.wait_for_epoch.remote(run.epoch, 20), timeout=40)
+
+        job, loop = ledger_job("host-loss", on_step=remove_host, num_steps=20)
+        head = cluster.head_node.node_id
+        job._agent_nodes = {0: head, 1: head, 2: head, 3: host.node_id}
+        with job:
+            result = job.run(loop)
+            events = job.group.events()
+        r = result.report
+        assert r.slices_final == 3 and r.min_slices_seen == 3
+        assert r.steps_recomputed == 0  # the shrink happened at a snapshot boundary
+        assert r.duplicate_steps == 0 and r.skipped_steps == 0 and r.steps_committed == 20
+        assert any(e["kind"] == "health" and e["slice"] == 3 and "agent died" in e["cause"] for e in events)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
