@@ -57,7 +57,9 @@ def test_host_loss_on_a_real_ray_node():
         assert r.slices_final == 3 and r.min_slices_seen == 3
         assert r.steps_recomputed == 0  # the shrink happened at a snapshot boundary
         assert r.duplicate_steps == 0 and r.skipped_steps == 0 and r.steps_committed == 20
-        assert any(e["kind"] == "health" and e["slice"] == 3 and "agent died" in e["cause"] for e in events)
+        lost = [e["cause"] for e in events if e["kind"] == "health" and e["slice"] == 3 and not e["healthy"]]
+        # Ray may notice the dead node (the agent's lifeline fails) or the heartbeats stop first.
+        assert lost and ("agent died" in lost[0] or "no heartbeat" in lost[0]), lost
     finally:
         ray.shutdown()
         cluster.shutdown()
