@@ -1,0 +1,37 @@
+"""`elastic demo --json --verify`: the whole story end to end, through the console script."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+KEYS = {"slices_initial", "slices_final", "min_slices_seen", "failures_injected", "recoveries", "client_restarts",
+        "steps_committed", "steps_recomputed", "duplicate_steps", "skipped_steps", "recovery_seconds", "final_loss",
+        "reference_final_loss", "max_abs_param_diff_vs_reference"}
+
+
+@pytest.mark.timeout(300)
+def test_demo_json_verify():
+    elastic = Path(sys.executable).parent / "elastic"
+    proc = subprocess.run(
+        [str(elastic), "demo", "--json", "--verify", "--steps", "60", "--kill-at", "23", "--revive-at", "40"],
+        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
+    out = json.loads(lines[0])
+    assert KEYS <= out.keys()
+    assert out["slices_initial"] == out["slices_final"] == 4 and out["min_slices_seen"] == 3
+    assert out["failures_injected"] == 1 and out["recoveries"] == 1 and len(out["recovery_seconds"]) == 1
+    assert out["client_restarts"] == 0 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
+    assert out["steps_committed"] == 60 and out["steps_recomputed"] == 3  # steps 20..22 since the snapshot at 20
+    assert out["max_abs_param_diff_vs_reference"] < 1e-4
+    events = [e["event"] for e in out["timeline"]]
+    for expected in ("inject_kill", "failure", "detected", "restored", "first_step", "inject_revive", "grow"):
+        assert expected in events, events
