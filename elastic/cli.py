@@ -32,13 +32,12 @@ def _demo(args: argparse.Namespace) -> int:
                     snapshot_every=args.snapshot_every)
     connect()
     out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
-    timeline = out.pop("timeline")
+    print_timeline(out["timeline"], sys.stderr)
     if args.json:
-        out["timeline"] = timeline
         print(json.dumps(out), flush=True)
     else:
-        print_timeline(timeline, sys.stderr)
-        print(json.dumps(out, indent=2), flush=True)
+        summary = {k: v for k, v in out.items() if k != "timeline"}
+        print(json.dumps(summary, indent=2), flush=True)
     return 0
 
 

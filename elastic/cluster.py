@@ -112,6 +112,8 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         """Kill every actor of the job (they are detached, so nothing else would)."""
+        quiet = [agent.silence.remote() for agent in self._agents.values()]  # no heartbeat into a dead supervisor
+        ray.wait(quiet, num_returns=len(quiet), timeout=5)
         for agent in self._agents.values():
             try:
                 ray.kill(agent, no_restart=True)

@@ -56,7 +56,7 @@ def loss_fn(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> jax.Arr
     return jnp.mean((_forward(params, data["x"]) - data["y"]) ** 2)
 
 
-_TEACHER = np.random.default_rng(1234).normal(size=(IN, 1)).astype(np.float32)
+_TEACHER = (np.random.default_rng(1234).normal(size=(IN, 1)) / np.sqrt(IN)).astype(np.float32)
 
 
 def batch(step: int, size: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
