@@ -22,12 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 import runtime
 from elastic.cluster import ActorGroup, connect
 from elastic.config import ElasticConfig
-from elastic.errors import ConfigError, ElasticError
+from elastic.errors import ConfigError, ElasticError, GiveUpError
 from elastic.faults import Fault, Faults
 from elastic.log import get_logger
 from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
-from elastic.run import Regroup, Run
+from elastic.run import LiveState, Regroup, Run
 from elastic.watcher import ViewWatcher
 from snapshot import Snapshot, SnapshotError, SnapshotStore
 
@@ -173,18 +173,23 @@ class ElasticJob:
         view = self._watcher.wait_for(lambda v: bool(v.active), cfg.startup_timeout_s, what="any slice")
         self.timeline.add("started", slices=len(view.active), epoch=view.epoch)
         transient = 0
+        live: LiveState | None = None
         while True:
             try:
-                run = self._prepare(view)
+                run = self._prepare(view, live)
+                live = None
                 value = loop(run)
             except Regroup as regroup:
+                if regroup.view.gave_up is not None:
+                    raise GiveUpError(regroup.view.gave_up, epoch=regroup.view.epoch) from None
                 grew = len(regroup.view.active) > len(view.active)
                 self.report.grows += grew
                 self.timeline.add("grow" if grew else "shrink", epoch=regroup.view.epoch,
                                   slices=len(regroup.view.active), reason=regroup.view.reason)
-                view = regroup.view
+                view, live = regroup.view, regroup.live
                 continue
             except Exception as err:
+                live = None  # whatever was live may sit on lost devices: restore from the snapshot
                 if not runtime.is_slice_loss(err):
                     raise
                 transient = transient + 1 if self._failure_at is not None else 1
@@ -198,13 +203,19 @@ class ElasticJob:
             self._finish(view)
             return JobResult(state=run.state, value=value, report=self.report)
 
-    def _prepare(self, view: View) -> Run:
+    def _prepare(self, view: View, live: LiveState | None) -> Run:
+        """A run over ``view``: the live state moved device to device, else the newest snapshot restored."""
         mesh = runtime.build_mesh(self.topology.select(view.active), self._mesh_fn)
         shardings = self._shardings(mesh)
+        devices = tuple(mesh.devices.flat)
         self.report.min_slices_seen = min(self.report.min_slices_seen, len(view.active))
+        if live is not None:
+            state = runtime.wait_ready(runtime.guarded(runtime.reshard, devices)(live.state, shardings), devices)
+            self.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
+            return Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
         if len(self._store) == 0:
-            init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), mesh.devices.flat)
-            state = runtime.wait_ready(init(jax.random.key(self.config.seed)), mesh.devices.flat)
+            init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
+            state = runtime.wait_ready(init(jax.random.key(self.config.seed)), devices)
             self._save(0, state, {})
             return Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
         try:
@@ -285,9 +296,11 @@ class ElasticJob:
         assert self._watcher is not None
         view = self._watcher.view
         if view.epoch != run.epoch and next_step < self.config.num_steps:
-            if view.gave_up is None and not saved:
+            if view.gave_up is not None:
+                raise Regroup(view, None)
+            if not saved:
                 self._save(next_step, state, run.extras)  # the snapshot boundary: nothing is lost
-            raise Regroup(view)
+            raise Regroup(view, LiveState(state=state, next_step=next_step, extras=copy.deepcopy(run.extras)))
 
     def _save(self, next_step: int, state: Any, extras: dict[str, Any]) -> None:
         meta = {"ledger": self.ledger.to_meta(), "extras": copy.deepcopy(extras), "pids": sorted(self._pids),

@@ -8,6 +8,7 @@ ends this pass at the step boundary so the job re-enters the loop on the new mes
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -21,16 +22,26 @@ from runtime import batch_sharding, guarded, wait_ready
 if TYPE_CHECKING:
     from elastic.job import ElasticJob
 
-__all__ = ["Run", "Regroup"]
+__all__ = ["LiveState", "Run", "Regroup"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveState:
+    """A healthy state at a step boundary, already snapshotted: it can move device to device."""
+
+    state: Any
+    next_step: int
+    extras: dict[str, Any]
 
 
 class Regroup(BaseException):
     """Unwinds the user's loop at a step boundary after the view changed (a ``BaseException`` so that a
     broad ``except Exception`` in the loop does not swallow it)."""
 
-    def __init__(self, view: View) -> None:
+    def __init__(self, view: View, live: LiveState | None) -> None:
         super().__init__(f"membership changed to epoch {view.epoch}")
         self.view = view
+        self.live = live
 
 
 class Run:
