@@ -4,8 +4,11 @@
 The head is our own ``ray start --head --block`` subprocess (never ``ray stop``: that stops every Ray
 process of the user), on free loopback ports, with its own temp dir and its own auth token, so it
 cannot collide with, or authenticate against, any other cluster on the machine. The finalizer
-SIGTERMs that process (Ray drains and stops its children), SIGKILLs its process group if that is not
-enough, and checks that nothing of it is left.
+SIGTERMs that process (Ray then stops every process it started) and checks that nothing of the
+cluster is left: nothing in the head's session (raylet workers get their own process groups, but
+stay in that session) and nothing whose environment or command line names the head's unique temp dir
+(the job's driver runs in a session of its own, with RAY_AUTH_TOKEN_PATH under that dir). Whatever is
+left after a bounded wait is SIGKILLed by pid and fails the test.
 """
 from __future__ import annotations
 
@@ -79,6 +82,8 @@ def _clean_env(token_path: Path) -> dict[str, str]:
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN_PATH=str(token_path),
         RAY_USAGE_STATS_ENABLED="0",
+        # SIGTERM makes `ray start --block` drain the node for up to 30 s first; a test has nothing to drain.
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",  # the job's `python` is the venv's
     )
     return env
@@ -99,35 +104,65 @@ def _dashboard_ready(url: str, token: str) -> bool:
         return False
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def _leftovers(session_id: int, marker: str) -> dict[int, str]:
+    """Processes of the cluster still running: in the head's session, or naming its temp dir."""
+    found: dict[int, str] = {}
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            try:
+                sid = os.getsid(pid)
+            except OSError:
+                sid = -1
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().decode(errors="replace")
+            except OSError:
+                environ = ""
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":  # a zombie is already dead
+                    continue
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if sid == session_id or marker in cmdline or marker in environ:
+            found[pid] = cmdline[:160]
+    return found
 
 
-def _stop_head(proc: subprocess.Popen) -> None:
-    pgid = proc.pid  # started with start_new_session=True: the group is ours alone
+def _stop_head(head: RayHead) -> dict[int, str]:
+    """Stop the head and everything it started; return what had to be SIGKILLed (should be nothing)."""
+    proc = head.proc
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # `ray start --block` drains, then stops every child it started
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` then stops every process it started
         try:
             proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pass
-    deadline = time.monotonic() + 10
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _group_alive(pgid):
-        os.killpg(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    if not os.path.isdir("/proc"):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        return {}
+    marker = f"{head.temp_dir}{os.sep}"
+    # The job driver's watcher polls once a second before it reaps the driver: allow a few seconds.
+    deadline = time.monotonic() + 15
+    left = _leftovers(proc.pid, marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = _leftovers(proc.pid, marker)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     if proc.poll() is None:
-        proc.kill()
         proc.wait(timeout=10)
+    return left
 
 
 @pytest.fixture
@@ -172,10 +207,9 @@ def ray_head():
             time.sleep(0.25)
         yield head
     finally:
-        _stop_head(proc)
-        left = _group_alive(proc.pid)
+        left = _stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"processes of the Ray head (process group {proc.pid}) are still running"
+        assert not left, f"Ray processes still running after the head stopped (now SIGKILLed): {left}"
 
 
 def _json_lines(text: str) -> list[dict]:
