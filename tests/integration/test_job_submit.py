@@ -247,6 +247,8 @@ def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
     report = reports[-1]
     assert report["steps_committed"] == 12, report
     assert report["client_restarts"] == 0, report
+    if "joined_existing_cluster" in report:  # the entry point joined this cluster (RAY_ADDRESS), not its own
+        assert report["joined_existing_cluster"] is True, report
 
     # The upload really left the git-ignored bulk behind (the job ran from this unpacked copy).
     packages = [p for p in ray_head.temp_dir.glob("ray/session_*/runtime_resources/working_dir_files/_ray_pkg_*")
