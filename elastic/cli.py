@@ -41,6 +41,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cleanup(args: argparse.Namespace) -> int:
+    from elastic.cluster import cleanup, connect
+
+    connect()
+    killed = cleanup(args.job_name)
+    print(json.dumps({"job_name": args.job_name, "killed": killed}), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--verbose", action="store_true", help="structured events on stderr")
     demo.set_defaults(func=_demo)
+    clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
+    clean.add_argument("--job-name", required=True)
+    clean.set_defaults(func=_cleanup)
     return parser
 
 

@@ -22,7 +22,7 @@ from elastic.errors import SupervisorError
 from elastic.log import get_logger
 from elastic.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["connect", "ActorGroup"]
+__all__ = ["connect", "cleanup", "ActorGroup"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -36,6 +36,24 @@ def connect(address: str | None = None) -> bool:
         return False
     ray.init(address="local", include_dashboard=False, **common)
     return True
+
+
+def cleanup(job_name: str) -> list[str]:
+    """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
+
+    The supervisor and agents are detached, so they outlive a crashed driver by design; this ends them.
+    Returns the names of the actors killed.
+    """
+    namespace = ElasticConfig(job_name=job_name).namespace
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == namespace:
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+                killed.append(entry["name"])
+            except ValueError:  # gone meanwhile
+                pass
+    return sorted(killed)
 
 
 class ActorGroup:

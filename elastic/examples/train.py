@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.cluster import connect
     from elastic.demo import batch, init_params, loss_fn
 
+    # `ray job stop` sends SIGTERM: unwind normally so the job's detached actors are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started_here = connect()  # joins RAY_ADDRESS when set (as it is inside `ray job submit`)
     faults = Faults()
     if args.kill_slice is not None and args.kill_at is not None:

@@ -2,7 +2,7 @@
 ``python -m elastic.examples.train`` run as the job's entry point.
 
 The head is our own ``ray start --head --block`` subprocess (never ``ray stop``: that stops every Ray
-process of the user), on free loopback ports, with its own temp dir and its own auth token, so it
+process of the user), on free ports, with its own temp dir and its own auth token, so it
 cannot collide with, or authenticate against, any other cluster on the machine. The finalizer
 SIGTERMs that process (Ray then stops every process it started) and checks that nothing of the
 cluster is left: nothing in the head's session (raylet workers get their own process groups, but

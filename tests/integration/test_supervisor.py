@@ -63,3 +63,17 @@ def test_host_loss_on_a_real_ray_node():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):
+    from elastic.cluster import ActorGroup, cleanup
+
+    from .helpers import config
+
+    group = ActorGroup(config("leftover"))
+    group.launch()  # and never shut down, as if the driver had been SIGKILLed
+    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == "elastic-leftover"}
+    assert names == {"supervisor", "agent-0-0", "agent-1-0", "agent-2-0", "agent-3-0"}
+    assert cleanup("leftover") == sorted(names)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(group.supervisor.view.remote(), timeout=30)
