@@ -84,7 +84,9 @@ class ElasticJob:
         self._watcher: ViewWatcher | None = None
         self._ray_started = False
         self._pids: set[int] = set()
-        self._failure_at: float | None = None
+        self._failure_at: float | None = None  # when the failure being recovered from was seen
+        self._failures_in_a_row = 0  # failures before a step past ``_failed_step`` commits
+        self._failed_step = -1
         self._last_loss: float | None = None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -172,7 +174,6 @@ class ElasticJob:
         cfg = self.config
         view = self._watcher.wait_for(lambda v: bool(v.active), cfg.startup_timeout_s, what="any slice")
         self.timeline.add("started", slices=len(view.active), epoch=view.epoch)
-        transient = 0
         live: LiveState | None = None
         while True:
             try:
@@ -192,8 +193,7 @@ class ElasticJob:
                 live = None  # whatever was live may sit on lost devices: restore from the snapshot
                 if not runtime.is_slice_loss(err):
                     raise
-                transient = transient + 1 if self._failure_at is not None else 1
-                view = self._recover(err, view, transient)
+                view = self._recover(err, view)
                 continue
             if self.ledger.steps[-1:] != [cfg.num_steps - 1]:
                 raise ConfigError(
@@ -229,18 +229,26 @@ class ElasticJob:
         return Run(self, view=view, mesh=mesh, state=state, start_step=snap.step,
                    extras=copy.deepcopy(snap.meta["extras"]))
 
-    def _recover(self, err: BaseException, view: View, attempt: int) -> View:
-        """After a slice-loss error: find the dead slices, report them, wait for a view without them."""
+    def _recover(self, err: BaseException, view: View) -> View:
+        """After a slice-loss error: find the dead slices, report them, wait for a view without them.
+
+        With every slice healthy (a transient error) it retries on the same view, at most
+        ``max_transient_retries`` times before a step past the failed one is committed.
+        """
         assert self._watcher is not None
+        self._failures_in_a_row += 1
+        failed_step = self.ledger.steps[-1] + 1 if self.ledger.steps else 0
+        self._failed_step = max(self._failed_step, failed_step)
         self._failure_at = self._failure_at or time.time()
         self.timeline.add("failure", error=str(err).splitlines()[0][:160])
         dead = runtime.probe_slices(self.topology.select(view.active))
         log = self._log.bind(epoch=view.epoch, dead=sorted(dead))
         if not dead:
-            if attempt > self.config.max_transient_retries:
-                raise ElasticError(f"slice-loss errors persist with every slice healthy after {attempt - 1} "
-                                   f"retries; last: {err}") from err
-            log.warning("transient_failure_retry", attempt=attempt, error=str(err)[:200])
+            if self._failures_in_a_row > self.config.max_transient_retries:
+                raise ElasticError(f"slice-loss errors persist with every slice healthy after "
+                                   f"{self._failures_in_a_row - 1} retries; last: {err}") from err
+            log.warning("transient_failure_retry", attempt=self._failures_in_a_row, error=str(err)[:200])
+            self.report.recoveries += 1
             return view
         log.warning("slices_lost", error=str(err)[:200])
         self.group.supervisor.report_lost.remote(sorted(dead), str(err)[:200])
@@ -287,6 +295,8 @@ class ElasticJob:
             self.report.recovery_seconds.append(round(time.time() - self._failure_at, 3))
             self.timeline.add("first_step", step=step, slices=len(run.view.active), epoch=run.epoch)
             self._failure_at = None
+        if step >= self._failed_step:
+            self._failures_in_a_row = 0
         next_step = step + 1
         saved = next_step % self.config.snapshot_every == 0 or next_step == self.config.num_steps
         if saved:

@@ -89,3 +89,24 @@ def test_view_wait_is_bounded(ray_local):
         assert time.monotonic() - t0 < 5
     finally:
         watcher.stop()
+
+
+def test_persistent_slice_loss_errors_on_healthy_slices_end_in_a_clear_error(ray_local):
+    import jax
+
+    from elastic import ElasticError
+
+    job, _ = ledger_job("persistent", max_transient_retries=2)
+    attempts = []
+
+    def loop(run):
+        for step in run.steps:
+            if step == 3:
+                attempts.append(run.start_step)
+                raise jax.errors.JaxRuntimeError("UNAVAILABLE: collective timed out")
+            run.commit(run.state)
+
+    with job, pytest.raises(ElasticError, match="persist with every slice healthy after 2 retries"):
+        job.run(loop)
+    assert attempts == [0, 0, 0]  # the first try and two retries, each from the snapshot at step 0
+    assert job.report.recoveries == 2
