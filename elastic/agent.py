@@ -52,6 +52,3 @@ class SliceAgent:
     async def silence(self) -> None:
         """Stop heartbeating while staying alive (a hung host, for fault injection)."""
         self._silent = True
-
-    async def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()

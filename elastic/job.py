@@ -75,7 +75,8 @@ class ElasticJob:
         self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
-        self._shardings(runtime.build_mesh(self.topology.slices, mesh_fn))  # bad specs fail here, at once
+        for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
+            self._shardings(runtime.build_mesh(self.topology.slices[:count], mesh_fn))  # bad specs fail at once
         self._store = SnapshotStore(keep=config.keep_snapshots)
         self.ledger = Ledger()
         self.report = Report(slices_initial=config.num_slices, min_slices_seen=config.num_slices)

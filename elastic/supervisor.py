@@ -197,6 +197,3 @@ class Supervisor:
 
     async def events(self) -> list[dict[str, Any]]:
         return list(self._events)
-
-    async def healthy(self) -> list[int]:
-        return sorted(healthy_slices(self._history))

@@ -40,11 +40,6 @@ class SnapshotStore:
             self._generations.append(snap)
         return snap
 
-    def add(self, snap: Snapshot) -> None:
-        """Hold an already captured snapshot (e.g. one fetched from another tier)."""
-        with self._lock:
-            self._generations.append(snap)
-
     @property
     def steps(self) -> tuple[int, ...]:
         with self._lock:

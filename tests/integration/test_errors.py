@@ -96,3 +96,13 @@ def test_plain_step_fn_with_indivisible_batch_after_shrink_says_what_to_do(ray_l
     with pytest.raises(ConfigError, match="elastic.optax_step"):
         trainer.fit()
     assert trainer.job.latest_snapshot().step == 0
+
+
+def test_leaf_that_would_not_split_after_a_shrink_fails_at_once():
+    """16 rows split over 8 devices but not over the 6 left after losing a slice (min_slices=3)."""
+    def init(key):
+        return {"w": jnp.zeros((16, 4))}
+
+    with pytest.raises(ConfigError, match=r"state leaf \['w'\] of shape \(16, 4\) does not split over the mesh"):
+        ElasticJob(config("shrink-split", policy=Policy(min_slices=3)), init_fn=init,
+                   shardings_fn=lambda mesh: {"w": P(("replica", "local"))})
