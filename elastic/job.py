@@ -76,7 +76,7 @@ class ElasticJob:
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
-            self._shardings(runtime.build_mesh(self.topology.slices[:count], mesh_fn))  # bad specs fail at once
+            self._check_splits(runtime.build_mesh(self.topology.slices[:count], mesh_fn))  # bad specs fail at once
         self._store = SnapshotStore(keep=config.keep_snapshots)
         self.ledger = Ledger()
         self.report = Report(slices_initial=config.num_slices, min_slices_seen=config.num_slices)
@@ -105,12 +105,17 @@ class ElasticJob:
         return topo
 
     def _shardings(self, mesh: Mesh) -> Any:
+        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` if the structure differs)."""
         specs = self._shardings_fn(mesh)
         try:
             runtime.check_structure(self._abstract, specs)
         except runtime.StructureError as err:
             raise ConfigError(str(err)) from err
-        shardings = runtime.as_shardings(mesh, specs)
+        return runtime.as_shardings(mesh, specs)
+
+    def _check_splits(self, mesh: Mesh) -> None:
+        """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
+        shardings = self._shardings(mesh)
         targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
         for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(self._abstract), targets, strict=True):
             try:
@@ -120,7 +125,6 @@ class ElasticJob:
                     f"state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} does not split over the "
                     f"mesh {dict(mesh.shape)}: {err}; pick sizes that divide every device count you may shrink to"
                 ) from err
-        return shardings
 
     def start(self) -> ElasticJob:
         """Connect to Ray, launch the supervisor and agents, and wait for the first view."""

@@ -51,10 +51,8 @@ class Timeline:
         self.start = time.time()
         self.events: list[dict[str, Any]] = []
 
-    def add(self, event: str, *, at: float | None = None, **detail: Any) -> None:
-        self.events.append({"t": round((at if at is not None else time.time()) - self.start, 3), "event": event,
-                            **detail})
-        self.events.sort(key=lambda e: e["t"])
+    def add(self, event: str, **detail: Any) -> None:
+        self.events.append({"t": round(time.time() - self.start, 3), "event": event, **detail})
 
 
 @dataclass(kw_only=True)
