@@ -1,0 +1,147 @@
+"""A snapshot as plain host data (numpy pieces + metadata), and its placement onto any target shardings.
+
+A :class:`HostImage` is what travels between processes (to a keeper actor, from a persistent tier):
+no device handles, no pytree definition (the restoring side brings its own structure). Each leaf is a
+set of :class:`Piece` s, rectangular regions of the stored array that together cover it; typed PRNG
+keys are stored as their ``jax.random.key_data`` (``key_impl`` names the implementation).
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import xxhash
+from jax.sharding import Sharding
+
+from snapshot.errors import SnapshotCorruptError, SnapshotStructureError
+
+__all__ = ["Index", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
+           "wrap_keys"]
+
+Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the stored array
+
+
+def checksum(data: np.ndarray) -> int:
+    """A 64-bit content hash of ``data``'s bytes (xxh3; ~9 GB/s here, releases the GIL)."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+
+
+def meta_checksum(meta: dict[str, Any]) -> int:
+    """The checksum of controller state (step, ledger, extras, ...), over its pickled bytes."""
+    return xxhash.xxh3_64_intdigest(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A jax shard index (tuple of slices) as explicit (start, stop) bounds."""
+    out = []
+    for dim, s in zip(shape, tuple(index) + (slice(None),) * (len(shape) - len(index)), strict=True):
+        start, stop, _ = s.indices(dim)
+        out.append((start, stop))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    index: Index
+    data: np.ndarray
+    checksum: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafImage:
+    shape: tuple[int, ...]  # of the stored array (typed keys: the key data's shape)
+    dtype: str  # numpy dtype name of the stored array
+    key_impl: str | None = None  # set for typed PRNG keys
+    pieces: tuple[Piece, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self.pieces)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostImage:
+    """One generation of the whole state on the host: resumes training at ``step``."""
+
+    step: int
+    generation: int
+    leaves: tuple[LeafImage, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    meta_checksum: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def verify(self) -> None:
+        """Raise :class:`SnapshotCorruptError` if any piece or the controller state changed."""
+        if meta_checksum(self.meta) != self.meta_checksum:
+            raise SnapshotCorruptError(self.step, -1)
+        for i, leaf in enumerate(self.leaves):
+            for piece in leaf.pieces:
+                if checksum(piece.data) != piece.checksum:
+                    raise SnapshotCorruptError(self.step, i)
+
+
+def _overlap(a: Index, b: Index) -> Index | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) -> np.ndarray:
+    """A fresh array holding region ``want``, copied from the pieces that overlap it.
+
+    Raises :class:`SnapshotStructureError` if the pieces do not cover ``want``.
+    """
+    for index, data in pieces:
+        if index == want:
+            return np.array(data, copy=True)  # a fresh buffer: the restored array must not alias a snapshot
+    out = np.empty(tuple(hi - lo for lo, hi in want), dtype=dtype)
+    covered = np.zeros(out.shape, dtype=bool)
+    for index, data in pieces:
+        ov = _overlap(index, want)
+        if ov is None:
+            continue
+        dst = tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(ov, want, strict=True))
+        src = tuple(slice(lo - i0, hi - i0) for (lo, hi), (i0, _) in zip(ov, index, strict=True))
+        out[dst] = data[src]
+        covered[dst] = True
+    if not covered.all():
+        raise SnapshotStructureError(f"the saved pieces do not cover region {want}")
+    return out
+
+
+def wrap_keys(data: jax.Array, key_impl: str, sharding: Sharding) -> jax.Array:
+    """Typed PRNG keys from their key data, placed on ``sharding``."""
+    return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=key_impl), out_shardings=sharding)(data)
+
+
+def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
+    """The image's state as a pytree of ``treedef`` placed on ``shardings`` (one sharding per leaf).
+
+    Verifies every checksum first; each device receives a fresh copy of its region.
+    """
+    targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    if treedef.num_leaves != len(image.leaves) or len(targets) != len(image.leaves):
+        raise SnapshotStructureError(
+            f"the snapshot of step {image.step} holds {len(image.leaves)} leaves but the target state has "
+            f"{treedef.num_leaves} (and {len(targets)} shardings): restore with the state structure that was saved"
+        )
+    image.verify()
+    placed = []
+    for leaf, sharding in zip(image.leaves, targets, strict=True):
+        pieces = [(p.index, p.data) for p in leaf.pieces]
+        dtype = np.dtype(leaf.dtype)
+        data_sharding = sharding if leaf.key_impl is None else _data_sharding(sharding)
+        arr = jax.make_array_from_callback(
+            leaf.shape, data_sharding, lambda idx, ps=pieces, lf=leaf: assemble(region(idx, lf.shape), ps, dtype))
+        placed.append(arr if leaf.key_impl is None else wrap_keys(arr, leaf.key_impl, sharding))
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _data_sharding(sharding: Sharding) -> Sharding:
+    """The sharding of a key leaf's data: the key's own sharding, its trailing key dimension whole."""
+    return sharding  # NamedSharding/SingleDeviceSharding extend to an extra trailing dim unsplit
