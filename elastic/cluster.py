@@ -38,15 +38,21 @@ def connect(address: str | None = None) -> bool:
     return True
 
 
-def cleanup(job_name: str) -> list[str]:
+CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
+
+
+def cleanup(job_name: str, *, keep_keepers: bool = False) -> list[str]:
     """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
 
-    The supervisor and agents are detached, so they outlive a crashed driver by design; this ends them.
+    The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
+    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot).
     Returns the names of the actors killed.
     """
     namespace = ElasticConfig(job_name=job_name).namespace
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
+        if keep_keepers and entry["name"].startswith("keeper-"):
+            continue
         if entry["namespace"] == namespace:
             try:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
@@ -74,14 +80,11 @@ class ActorGroup:
         """Start the supervisor and every agent; return once all registered and judging began."""
         cfg = self._config
         try:
-            ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
+            existing = ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
         except ValueError:
             pass
         else:
-            raise SupervisorError(
-                f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r}: "
-                "pick another job_name or stop that job first"
-            )
+            self._take_over(existing)
         # On the client's node by preference: a host loss elsewhere must not take the supervisor with it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.supervisor = Supervisor.options(
@@ -99,6 +102,28 @@ class ActorGroup:
             )
         ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
         ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
+
+    def _take_over(self, existing: Any) -> None:
+        """Another client's supervisor runs for this job: take the job over if that client is gone (its
+        supervisor and agents are replaced, its keepers kept), refuse if it is alive."""
+        cfg = self._config
+        deadline = time.monotonic() + CLIENT_GONE_S + 5.0
+        idle = 0.0
+        while time.monotonic() < deadline:
+            try:
+                idle = ray.get(existing.client_idle_s.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a dead or stale supervisor is replaced like an idle one
+                idle = float("inf")
+            if idle > CLIENT_GONE_S:
+                break
+            time.sleep(0.5)
+        else:
+            raise SupervisorError(
+                f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r} and its "
+                "client is alive: pick another job_name or stop that job first"
+            )
+        replaced = cleanup(cfg.job_name, keep_keepers=True)
+        self._log.warning("took_over_job", client_idle_s=round(idle, 1), replaced=replaced)
 
     def spawn_agent(self, index: int, *, wait: bool = True) -> None:
         """Start a (new incarnation of the) agent of slice ``index``."""

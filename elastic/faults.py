@@ -13,7 +13,7 @@ from elastic.errors import ConfigError
 
 __all__ = ["Fault", "Faults"]
 
-Kind = Literal["kill", "revive", "silence", "transient"]
+Kind = Literal["kill", "revive", "silence", "transient", "kill_client"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +44,11 @@ class Faults:
     def transient_error(self, *, at_step: int) -> Faults:
         """Step ``at_step`` raises a slice-loss error although every slice is healthy."""
         return self._add(Fault(kind="transient", at_step=at_step))
+
+    def kill_client(self, *, at_step: int) -> Faults:
+        """The client process is SIGKILLed as step ``at_step`` starts (a crashed driver): nothing unwinds,
+        and the job's detached actors, keepers included, are left for a new client to take over."""
+        return self._add(Fault(kind="kill_client", at_step=at_step))
 
     def _add(self, fault: Fault) -> Faults:
         if fault.at_step < 0:

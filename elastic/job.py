@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
 from elastic.run import LiveState, Regroup, Run
 from elastic.watcher import ViewWatcher
-from snapshot import Snapshot, SnapshotError, SnapshotStore
+from elastic.tiers import TierSet
+from snapshot import SnapshotError, SnapshotInfo
 
 __all__ = ["ElasticJob", "JobResult"]
 
@@ -77,7 +79,7 @@ class ElasticJob:
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
             self._check_splits(runtime.build_mesh(self.topology.slices[:count], mesh_fn))  # bad specs fail at once
-        self._store = SnapshotStore(keep=config.keep_snapshots)
+        self._tiers = TierSet(config, self.topology, self._abstract)
         self.ledger = Ledger()
         self.report = Report(slices_initial=config.num_slices, min_slices_seen=config.num_slices)
         self.timeline = Timeline()
@@ -134,6 +136,7 @@ class ElasticJob:
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes)
         try:
             self._group.launch()
+            self._tiers.start()
         except BaseException:
             self.close()
             raise
@@ -141,7 +144,9 @@ class ElasticJob:
         return self
 
     def close(self) -> None:
-        """Stop the watcher, kill the job's actors, revive simulated slices, and stop Ray if started here."""
+        """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
+        if started here. Only a client that dies without closing leaves its keepers for a successor."""
+        self._tiers.close()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -161,9 +166,10 @@ class ElasticJob:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def latest_snapshot(self) -> Snapshot:
-        """The newest intact host snapshot (raises ``NoSnapshotError`` before the first)."""
-        return self._store.latest()
+    def latest_snapshot(self) -> SnapshotInfo:
+        """The newest complete in-memory snapshot, once any in flight has finished (``NoSnapshotError``
+        before the first)."""
+        return self._tiers.latest()
 
     @property
     def group(self) -> ActorGroup:
@@ -218,21 +224,23 @@ class ElasticJob:
             state = runtime.wait_ready(runtime.guarded(runtime.reshard, devices)(live.state, shardings), devices)
             self.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
             return Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
-        if len(self._store) == 0:
+        restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
+        if restored is None:  # nothing saved anywhere: a fresh start
             init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
             state = runtime.wait_ready(init(jax.random.key(self.config.seed)), devices)
             self._save(0, state, {})
             return Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
-        try:
-            snap, state = self._store.load(shardings)
-        except SnapshotError as err:
-            raise ElasticError(f"cannot restore a snapshot onto slices {sorted(view.active)}: {err}") from err
-        self.ledger.rollback(snap.meta["ledger"])
-        self._pids = set(snap.meta["pids"])
-        self._log.info("restored", step=snap.step, epoch=view.epoch, slices=sorted(view.active))
-        self.timeline.add("restored", step=snap.step, slices=len(view.active), epoch=view.epoch)
-        return Run(self, view=view, mesh=mesh, state=state, start_step=snap.step,
-                   extras=copy.deepcopy(snap.meta["extras"]))
+        self.ledger.rollback(restored.meta["ledger"])
+        self._pids = set(restored.meta["pids"])
+        self.report.restores.append({"step": restored.step, "tier": restored.tier, "generation": restored.generation})
+        if self.report.resumed_from_tier is None and os.getpid() not in self._pids:
+            self.report.resumed_from_tier = restored.tier  # a new client picking up a crashed one's job
+        self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
+        self.timeline.add("restored", step=restored.step, tier=restored.tier, generation=restored.generation,
+                          slices=len(view.active), epoch=view.epoch)
+        state = runtime.wait_ready(restored.state, devices)
+        return Run(self, view=view, mesh=mesh, state=state, start_step=restored.step,
+                   extras=copy.deepcopy(restored.meta["extras"]))
 
     def _recover(self, err: BaseException, view: View) -> View:
         """After a slice-loss error: find the dead slices, report them, wait for a view without them.
@@ -273,6 +281,8 @@ class ElasticJob:
     def _inject(self, fault: Fault) -> None:
         self._log.warning("fault_injected", kind=fault.kind, slice=fault.slice, step=fault.at_step)
         self.timeline.add(f"inject_{fault.kind}", step=fault.at_step, slice=fault.slice)
+        if fault.kind == "kill_client":
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "transient":
             self.report.failures_injected += 1
             raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {fault.at_step}")
@@ -318,10 +328,9 @@ class ElasticJob:
             raise Regroup(view, LiveState(state=state, next_step=next_step, extras=copy.deepcopy(run.extras)))
 
     def _save(self, next_step: int, state: Any, extras: dict[str, Any]) -> None:
-        meta = {"ledger": self.ledger.to_meta(), "extras": copy.deepcopy(extras), "pids": sorted(self._pids),
-                "seed": self.config.seed}
-        self._store.save(next_step, state, meta)
-        self.report.snapshots_taken += 1
+        meta = {"ledger": self.ledger.to_meta(), "extras": copy.deepcopy(extras),
+                "pids": sorted(self._pids | {os.getpid()}), "seed": self.config.seed}
+        self._tiers.save(next_step, state, meta)
 
     def _finish(self, view: View) -> None:
         r = self.report
@@ -333,6 +342,7 @@ class ElasticJob:
         r.skipped_steps = self.ledger.skipped(self.config.num_steps)
         r.final_loss = self._last_loss
         r.wall_seconds = round(time.time() - self.timeline.start, 3)
+        self._tiers.fill(r)
         self.timeline.add("finished", steps=r.steps_committed, slices=r.slices_final)
         r.timeline = self.timeline.events
 

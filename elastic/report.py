@@ -27,14 +27,31 @@ class Ledger:
         self.executed += 1
 
     def to_meta(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "batches": list(self.batches)}
+        """The lineage as runs ``[first_step, first_batch, length]`` (steps and batches both counting up):
+        a job with data addressed by step stores one run however long it is."""
+        runs: list[list[int]] = []
+        for step, batch in zip(self.steps, self.batches, strict=True):
+            if runs and step == runs[-1][0] + runs[-1][2] and batch == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([step, batch, 1])
+        return {"runs": runs, "executed": self.executed}
+
+    @staticmethod
+    def expand(meta: dict[str, Any]) -> tuple[list[int], list[int]]:
+        steps: list[int] = []
+        batches: list[int] = []
+        for first_step, first_batch, length in meta["runs"]:
+            steps.extend(range(first_step, first_step + length))
+            batches.extend(range(first_batch, first_batch + length))
+        return steps, batches
 
     def rollback(self, meta: dict[str, Any]) -> int:
         """Return to the lineage saved in a snapshot's ``meta``; the number of commits dropped."""
-        dropped = len(self.steps) - len(meta["steps"])
+        steps, batches = self.expand(meta)
+        dropped = len(self.steps) - len(steps)
         self.recomputed += max(dropped, 0)
-        self.steps = list(meta["steps"])
-        self.batches = list(meta["batches"])
+        self.steps, self.batches = steps, batches
         return dropped
 
     def duplicates(self) -> int:
@@ -69,6 +86,17 @@ class Report:
     duplicate_steps: int = 0
     skipped_steps: int = 0
     snapshots_taken: int = 0
+    snapshots_requested: int = 0
+    snapshots_coalesced: int = 0
+    snapshots_failed: int = 0
+    snapshot_blocking_seconds: float = 0.0
+    snapshot_held_bytes: int = 0
+    snapshot_copies: int = 0
+    keeper_bytes: int = 0
+    keeper_pushes: int = 0
+    persistent_saves: int = 0
+    resumed_from_tier: str | None = None  # the tier the first restore of a new client read (None: fresh start)
+    restores: list[dict[str, Any]] = field(default_factory=list)  # each restore: step, tier, generation
     recovery_seconds: list[float] = field(default_factory=list)
     final_loss: float | None = None
     wall_seconds: float = 0.0

@@ -46,6 +46,8 @@ class Supervisor:
         self._monitor: asyncio.Task | None = None
         self._log = get_logger("elastic.supervisor", job=job)
         self._resume = False
+        self._client_seen = time.monotonic()  # the client's lease: its watcher long-polls wait_for_epoch
+        self._client_waiting = 0
         self._replay()
 
     # -- durable log ---------------------------------------------------------------------------
@@ -187,13 +189,24 @@ class Supervisor:
     async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
         """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
         self._ensure_monitor()
+        self._client_waiting += 1
+        self._client_seen = time.monotonic()
         cond = self._condition()
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(lambda: self._view.epoch > after), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            async with cond:
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: self._view.epoch > after), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._client_waiting -= 1
+            self._client_seen = time.monotonic()
         return self._view
+
+    async def client_idle_s(self) -> float:
+        """Seconds since the client last waited on this supervisor (0 while it waits): a live client's
+        watcher is always waiting or about to, so a long idle time means the client is gone."""
+        return 0.0 if self._client_waiting else time.monotonic() - self._client_seen
 
     async def events(self) -> list[dict[str, Any]]:
         return list(self._events)

@@ -124,15 +124,23 @@ def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
 
     Verifies every checksum first; each device receives a fresh copy of its region.
     """
-    targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
-    if treedef.num_leaves != len(image.leaves) or len(targets) != len(image.leaves):
+    if treedef.num_leaves != len(image.leaves):
         raise SnapshotStructureError(
             f"the snapshot of step {image.step} holds {len(image.leaves)} leaves but the target state has "
-            f"{treedef.num_leaves} (and {len(targets)} shardings): restore with the state structure that was saved"
+            f"{treedef.num_leaves}: restore with the state structure that was saved"
         )
+    try:
+        targets = treedef.flatten_up_to(shardings)
+    except (ValueError, TypeError) as err:
+        raise SnapshotStructureError(f"the target shardings do not match the state structure {treedef}: {err}") from err
+    targets = [t if isinstance(t, Sharding) else getattr(t, "sharding", None) for t in targets]
     image.verify()
+    values = image.meta.get("_values", {})
     placed = []
-    for leaf, sharding in zip(image.leaves, targets, strict=True):
+    for i, (leaf, sharding) in enumerate(zip(image.leaves, targets, strict=True)):
+        if i in values:  # a leaf that was not a jax.Array travels as a value
+            placed.append(values[i])
+            continue
         pieces = [(p.index, p.data) for p in leaf.pieces]
         dtype = np.dtype(leaf.dtype)
         data_sharding = sharding if leaf.key_impl is None else _data_sharding(sharding)

@@ -1,0 +1,122 @@
+"""How a shard gets into the host memory attached to a device: one seam, two backends.
+
+``HostEngine`` serves backends whose device memory already is host memory (CPU): it takes a
+zero-copy view of the shard on the training thread (which also keeps the buffer from being donated
+while the copy runs), copies it with numpy into a reused, aligned buffer on a background thread, and
+hands the buffer to jax as a ``pinned_host`` array of the destination device (zero-copy on CPU).
+``DeviceEngine`` serves accelerators: the training thread dispatches an asynchronous
+``device_put`` into the destination device's ``pinned_host`` memory (the runtime orders it before any
+later donation) and a device-side checksum; nothing crosses into the client process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from snapshot.image import checksum
+
+__all__ = ["Copy", "DeviceEngine", "Engine", "HostEngine", "aligned_empty", "pick_engine"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Copy:
+    """One copy of one piece, in the host memory attached to ``device``."""
+
+    device: Any
+    slice: int
+    array: jax.Array  # memory kind ``pinned_host`` on ``device``
+    buffer: np.ndarray | None = None  # the bytes themselves where the engine owns them (HostEngine)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data is ``align``-byte aligned (so jax can alias it without a copy)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
+
+
+class Engine(Protocol):
+    name: str
+
+    def stage(self, shard: jax.Array, dest: Any) -> Any:
+        """On the training thread: cheap, and safe against the state's later donation."""
+
+    def write(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
+        """On the background thread: the finished copy in ``dest``'s host memory."""
+
+    def checksum(self, copy: Copy) -> int:
+        """The checksum of a finished copy, computed where the copy lives."""
+
+    def host_view(self, copy: Copy) -> np.ndarray:
+        """The copy's bytes as a read-only numpy array (for a transfer to another tier)."""
+
+
+class HostEngine:
+    name = "host"
+
+    def stage(self, shard: jax.Array, dest: Any) -> np.ndarray:
+        return np.asarray(shard)  # zero-copy on CPU; blocks until the shard is computed
+
+    def write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
+        if buffer is None or buffer.shape != staged.shape or buffer.dtype != staged.dtype:
+            buffer = aligned_empty(staged.shape, staged.dtype)
+        np.copyto(buffer, staged)
+        array = jax.device_put(buffer, SingleDeviceSharding(dest, memory_kind="pinned_host"))
+        return Copy(device=dest, slice=slice_, array=array, buffer=buffer)
+
+    def checksum(self, copy: Copy) -> int:
+        assert copy.buffer is not None
+        return checksum(copy.buffer)
+
+    def host_view(self, copy: Copy) -> np.ndarray:
+        assert copy.buffer is not None
+        return copy.buffer
+
+
+def _device_hash(x: jax.Array) -> jax.Array:
+    """A position-weighted 32-bit sum of the words of ``x``: any single changed word changes it."""
+    if x.dtype.itemsize == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    elif x.dtype.itemsize == 4:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    elif x.dtype == jnp.bool_:
+        words = x.astype(jnp.uint32).reshape(-1)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+    weights = (jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
+    return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+_hash = jax.jit(_device_hash)
+
+
+class DeviceEngine:
+    name = "device"
+
+    def stage(self, shard: jax.Array, dest: Any) -> jax.Array:
+        return jax.device_put(shard, SingleDeviceSharding(dest, memory_kind="pinned_host"))
+
+    def write(self, staged: jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
+        staged.block_until_ready()
+        return Copy(device=dest, slice=slice_, array=staged)
+
+    def checksum(self, copy: Copy) -> int:
+        on_device = jax.device_put(copy.array, SingleDeviceSharding(copy.device, memory_kind="device"))
+        return int(_hash(on_device))
+
+    def host_view(self, copy: Copy) -> np.ndarray:
+        return np.asarray(copy.array)
+
+
+def pick_engine(name: str, devices: Any) -> Engine:
+    """``auto``: the host engine where devices are CPUs, the device engine elsewhere."""
+    if name == "auto":
+        name = "host" if all(d.platform == "cpu" for d in devices) else "device"
+    return HostEngine() if name == "host" else DeviceEngine()

@@ -1,0 +1,391 @@
+"""The Snapshotter: asynchronous, double-buffered host snapshots that stay next to their shards.
+
+``save(step, state, meta)`` returns once the state is computed and its shards are staged (zero-copy
+views, or dispatched device-to-host copies); a background thread copies every distinct shard into
+the host memory of ``copies`` devices on distinct slices, checksums each piece where it lives, and
+publishes the generation only when it is complete. ``keep`` complete generations are held; buffers
+are reused across generations (``keep + 1`` slots: the one being written never holds a complete
+generation). A save requested while another waits behind the one in flight replaces the waiting one
+(``on_busy="coalesce"``, counted in ``stats()["snapshots_coalesced"]``) or blocks until it starts
+(``on_busy="wait"``). Nothing is dropped without being counted; a failed save leaves the previous
+generations restorable and is raised by the next ``wait()``.
+"""
+from __future__ import annotations
+
+import copy as copylib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import numpy as np
+import structlog
+from jax.sharding import Sharding
+
+from snapshot.engine import Copy, Engine, pick_engine
+from snapshot.errors import (NoSnapshotError, SnapshotConfigError, SnapshotCorruptError, SnapshotFailedError,
+                             SnapshotStructureError, SnapshotUnavailableError)
+from snapshot.generation import Generation, Guard, LeafRecord, PieceRecord, restore_generation, to_image
+from snapshot.image import HostImage, meta_checksum
+from snapshot.plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
+
+__all__ = ["Restored", "SnapshotConfig", "SnapshotInfo", "Snapshotter"]
+
+log = structlog.get_logger("snapshot")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """``keep`` complete generations; every byte on ``copies`` distinct slices (survives ``copies - 1``
+    slice losses); ``on_busy`` says what a save does while an earlier one still waits to be copied."""
+
+    keep: int = 2
+    copies: int = 2
+    on_busy: Literal["coalesce", "wait"] = "coalesce"
+    engine: Literal["auto", "host", "device"] = "auto"
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("keep", "copies", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SnapshotConfigError(f"{name} must be an integer of at least 1, got {value!r}")
+        if self.on_busy not in ("coalesce", "wait"):
+            raise SnapshotConfigError(f"on_busy must be 'coalesce' or 'wait', got {self.on_busy!r}")
+        if self.engine not in ("auto", "host", "device"):
+            raise SnapshotConfigError(f"engine must be 'auto', 'host' or 'device', got {self.engine!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    step: int
+    generation: int
+    state_bytes: int
+    copies: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    step: int
+    generation: int
+    state: Any
+    meta: dict[str, Any]
+    tier: str = "memory"
+
+
+@dataclass(kw_only=True)
+class _Request:
+    number: int
+    step: int
+    treedef: Any
+    plans: list[LeafPlan | None]
+    staged: list[list[list[Any]]]  # leaf -> piece -> copy
+    values: list[Any]
+    key_impls: list[str | None]
+    meta: dict[str, Any]
+
+
+class Snapshotter:
+    """Host snapshots of one job's sharded state. ``slice_of(device) -> int`` groups devices into slices;
+    ``guard(devices)`` raises when a device's memory is unreachable (simulated slice loss)."""
+
+    def __init__(self, config: SnapshotConfig | None = None, *, slice_of: SliceOf | None = None,
+                 guard: Guard | None = None, on_complete: Callable[[SnapshotInfo], None] | None = None) -> None:
+        self.config = config or SnapshotConfig()
+        self._on_complete = on_complete  # called on the background thread after each generation completes
+        self._slice_of = slice_of or default_slice_of
+        self._guard = guard
+        self._engine: Engine | None = None
+        self._plans: dict[Any, list[LeafPlan | None]] = {}
+        self._generations: list[Generation] = []
+        self._slots: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
+        self._cv = threading.Condition()
+        self._pending: _Request | None = None
+        self._in_flight: _Request | None = None
+        self._error: SnapshotFailedError | None = None
+        self._numbers = 0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="snapshot-copy")
+        self._stats = {"snapshots_requested": 0, "snapshots_taken": 0, "snapshots_coalesced": 0,
+                       "snapshots_failed": 0, "snapshots_waited": 0, "blocking_seconds": 0.0,
+                       "last_blocking_seconds": 0.0, "copy_seconds": 0.0, "copy_bytes": 0}
+        self._worker = threading.Thread(target=self._work, name="snapshot-worker", daemon=True)
+        self._worker.start()
+
+    # -- the training thread ---------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> int:
+        """Request a snapshot of ``state`` (resuming at ``step``); returns its generation number.
+
+        Waits for ``state`` to be computed, stages its shards, and returns without waiting for the copy.
+        """
+        t0 = time.perf_counter()
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        key_impls = [str(jax.random.key_impl(x)) if _is_key(x) else None for x in leaves]
+        arrays = [jax.random.key_data(x) if k else x for x, k in zip(leaves, key_impls, strict=True)]
+        plans = self._plan(arrays)
+        engine = self._engine_for(arrays)
+        staged: list[list[list[Any]]] = []
+        values: list[Any] = []
+        for x, plan in zip(arrays, plans, strict=True):
+            if plan is None:
+                staged.append([])
+                values.append(copylib.deepcopy(x))
+                continue
+            shards = x.addressable_shards
+            staged.append([[engine.stage(shards[c.shard].data, c.dest) for c in p.copies] for p in plan.pieces])
+            values.append(None)
+        with self._cv:
+            if self._closed:
+                raise SnapshotConfigError("the snapshotter is closed")
+            self._numbers += 1
+            req = _Request(number=self._numbers, step=step, treedef=treedef, plans=plans, staged=staged,
+                           values=values, key_impls=key_impls, meta=copylib.deepcopy(dict(meta or {})))
+            self._stats["snapshots_requested"] += 1
+            if self._pending is not None and self.config.on_busy == "wait":
+                self._stats["snapshots_waited"] += 1
+                self._cv.wait_for(lambda: self._pending is None or self._closed)
+            if self._pending is not None:
+                self._stats["snapshots_coalesced"] += 1
+                log.info("snapshot_coalesced", step=self._pending.step, replaced_by=step)
+            self._pending = req
+            self._cv.notify_all()
+        blocked = time.perf_counter() - t0
+        self._stats["blocking_seconds"] += blocked
+        self._stats["last_blocking_seconds"] = blocked
+        return req.number
+
+    def _engine_for(self, arrays: list[Any]) -> Engine:
+        if self._engine is None:
+            devices = [d for x in arrays if isinstance(x, jax.Array) for d in x.sharding.device_set]
+            self._engine = pick_engine(self.config.engine, devices)
+        return self._engine
+
+    def _plan(self, arrays: list[Any]) -> list[LeafPlan | None]:
+        key = tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None for x in arrays)
+        plans = self._plans.get(key)
+        if plans is None:
+            jax_arrays = [x for x in arrays if isinstance(x, jax.Array)]
+            by_slice = devices_by_slice(jax_arrays, self._slice_of)
+            load: dict[Any, int] = {d: 0 for ds in by_slice.values() for d in ds}
+            plans = [plan_leaf(x, self.config.copies, self._slice_of, load, by_slice) if isinstance(x, jax.Array)
+                     else None for x in arrays]
+            if len(by_slice) < self.config.copies:
+                log.warning("snapshot_copies_capped", copies=self.config.copies, slices=len(by_slice))
+            self._plans = {key: plans}  # one layout at a time: a new mesh replaces the old plan
+        return plans
+
+    # -- the background thread -------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                req, self._pending = self._pending, None
+                self._in_flight = req
+                self._cv.notify_all()
+            try:
+                gen = self._copy(req)
+            except Exception as err:  # noqa: BLE001 - any failure leaves the previous generation intact
+                with self._cv:
+                    self._stats["snapshots_failed"] += 1
+                    self._error = SnapshotFailedError(req.step, f"{type(err).__name__}: {err}"[:300])
+                    self._in_flight = None
+                    self._cv.notify_all()
+                log.warning("snapshot_failed", step=req.step, error=str(err)[:200])
+                continue
+            with self._cv:
+                self._publish(gen)
+            if self._on_complete is not None:
+                try:
+                    self._on_complete(SnapshotInfo(step=gen.step, generation=gen.number, state_bytes=gen.state_bytes,
+                                                   copies=gen.copies))
+                except Exception as err:  # noqa: BLE001 - a tier's trouble must not stop snapshots
+                    log.warning("snapshot_on_complete_failed", step=gen.step, error=str(err)[:200])
+            with self._cv:
+                self._in_flight = None
+                self._cv.notify_all()
+
+    def _free_slot(self) -> int:
+        used = {g.slot for g in self._generations}
+        return next(s for s in range(self.config.keep + 1) if s not in used)
+
+    def _copy(self, req: _Request) -> Generation:
+        t0 = time.perf_counter()
+        engine = self._engine
+        assert engine is not None
+        with self._cv:
+            slot = self._free_slot()
+        reuse = self._slots.get(slot, {})
+        buffers: dict[tuple[int, int, int], np.ndarray] = {}  # only this layout's buffers stay held
+
+        def one_piece(i: int, j: int) -> PieceRecord:
+            plan = req.plans[i]
+            assert plan is not None
+            piece = plan.pieces[j]
+            copies: list[Copy] = []
+            for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
+                if self._guard is not None:
+                    self._guard([cp.dest])
+                made = engine.write(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
+                if made.buffer is not None:
+                    buffers[(i, j, k)] = made.buffer
+                copies.append(made)
+            return PieceRecord(index=piece.index, checksum=engine.checksum(copies[0]), copies=tuple(copies))
+
+        futures = {(i, j): self._pool.submit(one_piece, i, j) for i, plan in enumerate(req.plans) if plan
+                   for j in range(len(plan.pieces))}
+        records = {ij: f.result() for ij, f in futures.items()}
+        self._slots[slot] = buffers
+        req.staged = []  # release the views: donation of the state's buffers is possible again
+        leaves = []
+        held = 0
+        for i, plan in enumerate(req.plans):
+            if plan is None:
+                leaves.append(LeafRecord(is_array=False, value=req.values[i]))
+                continue
+            pieces = tuple(records[(i, j)] for j in range(len(plan.pieces)))
+            held += sum(p.nbytes * len(p.copies) for p in plan.pieces)
+            leaves.append(LeafRecord(shape=plan.shape, dtype=plan.dtype.name, key_impl=req.key_impls[i],
+                                     pieces=pieces))
+        state_bytes = sum(p.nbytes for p in req.plans if p)
+        fewest = min((len({c.slice for c in p.copies}) for leaf in leaves for p in leaf.pieces), default=0)
+        elapsed = time.perf_counter() - t0
+        self._stats["copy_seconds"] += elapsed
+        self._stats["copy_bytes"] += held
+        return Generation(number=req.number, step=req.step, treedef=req.treedef, leaves=tuple(leaves),
+                          meta=req.meta, meta_checksum=meta_checksum(req.meta), slot=slot, state_bytes=state_bytes,
+                          held_bytes=held, copies=fewest, created=time.time())
+
+    def _publish(self, gen: Generation) -> None:
+        if self._generations and self._generations[-1].step >= gen.step:
+            # A rollback or a repeat: generations at or past this step belong to a discarded future.
+            self._generations = [g for g in self._generations if g.step < gen.step]
+        self._generations.append(gen)
+        del self._generations[: -self.config.keep]
+        self._stats["snapshots_taken"] += 1
+        log.debug("snapshot_complete", step=gen.step, generation=gen.number, bytes=gen.held_bytes)
+
+    # -- reading ---------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Until nothing is pending or in flight; raises :class:`SnapshotFailedError` for a failed save
+        (once), ``TimeoutError`` past ``timeout`` seconds."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout):
+                raise TimeoutError(f"snapshot still in flight after {timeout} s")
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    @property
+    def latest(self) -> SnapshotInfo | None:
+        """The newest complete generation (not yet verified), or None."""
+        with self._cv:
+            if not self._generations:
+                return None
+            g = self._generations[-1]
+            return SnapshotInfo(step=g.step, generation=g.number, state_bytes=g.state_bytes, copies=g.copies)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        with self._cv:
+            return tuple(g.step for g in self._generations)
+
+    def load(self, target: Any, *, available: Any = None) -> Restored:
+        """The newest intact generation placed on ``target`` (shardings, or an abstract state whose leaves
+        carry ``.sharding``), read only from copies on ``available`` devices (default: the target's).
+
+        A corrupt generation is skipped (logged, dropped) and an older one used.
+        """
+        with self._cv:  # a copy in flight may reuse an evicted generation's buffers: let it finish
+            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
+            generations = list(reversed(self._generations))
+        if not generations:
+            raise NoSnapshotError("no snapshot has completed yet")
+        try:
+            targets = generations[0].treedef.flatten_up_to(target)
+        except (ValueError, TypeError) as err:
+            raise SnapshotStructureError(
+                f"the target does not match the saved state's structure {generations[0].treedef}: {err}") from err
+        targets = [t if isinstance(t, Sharding) else getattr(t, "sharding", None) for t in targets]
+        if available is None:
+            available = {d for t in targets if isinstance(t, Sharding) for d in t.device_set}
+        available = set(available)
+        engine = self._engine
+        assert engine is not None
+        failure: Exception | None = None
+        for gen in generations:
+            try:
+                state = restore_generation(gen, targets, available, engine, self._guard)
+            except SnapshotCorruptError as err:
+                log.warning("snapshot_corrupt", step=gen.step, generation=gen.number, leaf=err.leaf)
+                with self._cv:
+                    self._generations = [g for g in self._generations if g is not gen]
+                failure = err
+                continue
+            except SnapshotUnavailableError as err:
+                failure = err
+                continue
+            return Restored(step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta))
+        assert failure is not None
+        raise failure
+
+    def image(self) -> HostImage:
+        """A host copy of the newest generation, read from reachable copies (for a tier that outlives
+        this process)."""
+        with self._cv:
+            if not self._generations:
+                raise NoSnapshotError("no snapshot has completed yet")
+            gen = self._generations[-1]
+        assert self._engine is not None
+        devices = {c.device for leaf in gen.leaves for p in leaf.pieces for c in p.copies}
+        return to_image(gen, self._engine, {d for d in devices if self._reachable(d)})
+
+    def _reachable(self, device: Any) -> bool:
+        if self._guard is None:
+            return True
+        try:
+            self._guard([device])
+        except Exception:  # noqa: BLE001 - the guard's error is the backend's slice-loss error
+            return False
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            s = dict(self._stats)
+            newest = self._generations[-1] if self._generations else None
+            busy = (self._pending is not None) + (self._in_flight is not None)
+            held = sum(b.nbytes for slot in self._slots.values() for b in slot.values())
+            if not held:  # engines whose copies are jax arrays (device engine)
+                held = sum(g.held_bytes for g in self._generations)
+        s["snapshots_dropped"] = (s["snapshots_requested"] - s["snapshots_taken"] - s["snapshots_coalesced"]
+                                  - s["snapshots_failed"] - busy)
+        s["held_bytes"] = held
+        s["state_bytes"] = newest.state_bytes if newest else 0
+        s["copies"] = newest.copies if newest else 0
+        s["generations"] = len(self._generations)
+        s["keep"] = self.config.keep
+        s["engine"] = self._engine.name if self._engine else None
+        return s
+
+    def close(self) -> None:
+        """Stop the background thread (an in-flight copy finishes first; a waiting request is counted as
+        coalesced). Complete generations stay readable until the snapshotter is dropped."""
+        with self._cv:
+            self._closed = True
+            if self._pending is not None:
+                self._stats["snapshots_coalesced"] += 1
+                self._pending = None
+            self._cv.notify_all()
+        self._worker.join(timeout=60)
+        self._pool.shutdown(wait=True)
+
+    def __len__(self) -> int:
+        return len(self._generations)
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
