@@ -31,7 +31,12 @@ def _demo(args: argparse.Namespace) -> int:
                     kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
                     snapshot_every=args.snapshot_every)
     connect()
-    out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
+    if args.scenario == "client-crash":
+        from elastic.crash_demo import run_client_crash
+
+        out = run_client_crash(spec, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
+    else:
+        out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
     print_timeline(out["timeline"], sys.stderr)
     if args.json:
         print(json.dumps(out), flush=True)
@@ -54,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
+    demo.add_argument("--scenario", choices=("slice-loss", "client-crash"), default="slice-loss",
+                      help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
+                           "and a new client resumes from the keeper tier")
+    demo.add_argument("--kill-client-at", type=int, default=75, help="client-crash: the step the client dies at")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
     demo.add_argument("--steps", type=int, default=150)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic.config import ElasticConfig, Policy
+from elastic.config import ElasticConfig, Policy, Tiers
 from elastic.faults import Faults
 from elastic.trainer import Trainer, optax_step
 
@@ -35,6 +35,7 @@ class DemoSpec:
     kill_at: int = 55
     revive_at: int = 95
     snapshot_every: int = 10
+    keeper_every: int = 5  # every 5th snapshot also goes to the keeper actors
     seed: int = 0
 
 
@@ -76,6 +77,7 @@ def make_trainer(spec: DemoSpec, *, job_name: str, faults: Faults | None, on_ste
         job_name=job_name, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
         num_steps=spec.steps, snapshot_every=spec.snapshot_every, seed=spec.seed,
         policy=Policy(min_slices=max(1, spec.num_slices - 1), repair_timeout_s=60.0),
+        tiers=Tiers(keeper_every=spec.keeper_every),
     )
     return Trainer(
         init_fn=init_params, step_fn=optax_step(loss_fn, optax.adam(1e-2)),
