@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -238,6 +239,9 @@ class Snapshotter:
 
         futures = {(i, j): self._pool.submit(one_piece, i, j) for i, plan in enumerate(req.plans) if plan
                    for j in range(len(plan.pieces))}
+        # Every piece settles before a failure is raised: a piece still writing would otherwise land in the
+        # reused buffers of the next save (this slot stays free) after that save checksummed them.
+        wait_all(futures.values())
         records = {ij: f.result() for ij, f in futures.items()}
         self._slots[slot] = buffers
         req.staged = []  # release the views: donation of the state's buffers is possible again
@@ -267,7 +271,6 @@ class Snapshotter:
         self._generations.append(gen)
         del self._generations[: -self.config.keep]
         self._stats["snapshots_taken"] += 1
-        log.debug("snapshot_complete", step=gen.step, generation=gen.number, bytes=gen.held_bytes)
 
     # -- reading ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
