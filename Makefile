@@ -20,6 +20,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	$(BIN)/python benchmarks/snapshot.py --json
 	$(BIN)/python benchmarks/recovery.py
 
 clean:

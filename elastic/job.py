@@ -225,7 +225,8 @@ class ElasticJob:
             self.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
             return Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
         restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
-        if restored is None:  # nothing saved anywhere: a fresh start
+        if restored is None:  # nothing saved anywhere: a fresh start (commits so far, if any, are redone)
+            self.ledger.rollback({"runs": []})
             init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
             state = runtime.wait_ready(init(jax.random.key(self.config.seed)), devices)
             self._save(0, state, {})

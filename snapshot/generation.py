@@ -70,13 +70,21 @@ def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any
     candidates = _readable(piece, available)
     if not candidates:
         raise SnapshotUnavailableError(gen.step, leaf, tuple(sorted({c.slice for c in piece.copies})))
+    readable = 0
     for c in candidates:
         if guard is not None:
-            guard([c.device])
+            try:
+                guard([c.device])
+            except Exception:  # noqa: BLE001 - a device lost since ``available`` was computed: try another copy
+                log.warning("snapshot_copy_unreachable", step=gen.step, leaf=leaf, slice=c.slice, device=c.device.id)
+                continue
+        readable += 1
         if engine.checksum(c) == piece.checksum:
             return c
         log.warning("snapshot_copy_corrupt", step=gen.step, generation=gen.number, leaf=leaf, slice=c.slice,
                     device=c.device.id)
+    if not readable:
+        raise SnapshotUnavailableError(gen.step, leaf, tuple(sorted({c.slice for c in piece.copies})))
     raise SnapshotCorruptError(gen.step, leaf)
 
 

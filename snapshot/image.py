@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 import xxhash
-from jax.sharding import Sharding
 
 from snapshot.errors import SnapshotCorruptError, SnapshotStructureError
+
+if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors holding images stay light
+    import jax
+    from jax.sharding import Sharding
 
 __all__ = ["Index", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
            "wrap_keys"]
@@ -31,7 +33,8 @@ def checksum(data: np.ndarray) -> int:
 
 def meta_checksum(meta: dict[str, Any]) -> int:
     """The checksum of controller state (step, ledger, extras, ...), over its pickled bytes."""
-    return xxhash.xxh3_64_intdigest(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+    # Protocol 4: protocol 5 pickles a read-only numpy array (as one arrives through Ray) differently.
+    return xxhash.xxh3_64_intdigest(pickle.dumps(meta, protocol=4))
 
 
 def region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
@@ -116,6 +119,8 @@ def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) ->
 
 def wrap_keys(data: jax.Array, key_impl: str, sharding: Sharding) -> jax.Array:
     """Typed PRNG keys from their key data, placed on ``sharding``."""
+    import jax
+
     return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=key_impl), out_shardings=sharding)(data)
 
 
@@ -124,6 +129,9 @@ def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
 
     Verifies every checksum first; each device receives a fresh copy of its region.
     """
+    import jax
+    from jax.sharding import Sharding
+
     if treedef.num_leaves != len(image.leaves):
         raise SnapshotStructureError(
             f"the snapshot of step {image.step} holds {len(image.leaves)} leaves but the target state has "
@@ -143,13 +151,9 @@ def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
             continue
         pieces = [(p.index, p.data) for p in leaf.pieces]
         dtype = np.dtype(leaf.dtype)
-        data_sharding = sharding if leaf.key_impl is None else _data_sharding(sharding)
+        data_sharding = sharding  # a key leaf's data: the same sharding, its trailing key dimension whole
         arr = jax.make_array_from_callback(
             leaf.shape, data_sharding, lambda idx, ps=pieces, lf=leaf: assemble(region(idx, lf.shape), ps, dtype))
         placed.append(arr if leaf.key_impl is None else wrap_keys(arr, leaf.key_impl, sharding))
     return jax.tree_util.tree_unflatten(treedef, placed)
 
-
-def _data_sharding(sharding: Sharding) -> Sharding:
-    """The sharding of a key leaf's data: the key's own sharding, its trailing key dimension whole."""
-    return sharding  # NamedSharding/SingleDeviceSharding extend to an extra trailing dim unsplit

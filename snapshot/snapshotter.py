@@ -374,16 +374,18 @@ class Snapshotter:
         s["engine"] = self._engine.name if self._engine else None
         return s
 
-    def close(self) -> None:
-        """Stop the background thread (an in-flight copy finishes first; a waiting request is counted as
-        coalesced). Complete generations stay readable until the snapshotter is dropped."""
+    def close(self, timeout: float = 120.0) -> None:
+        """Finish what was requested (the waiting and the in-flight copy, bounded by ``timeout``), then
+        stop the background threads. Complete generations stay readable until the snapshotter is dropped."""
         with self._cv:
+            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout)
             self._closed = True
-            if self._pending is not None:
+            if self._pending is not None:  # past the bound: counted, never silent
                 self._stats["snapshots_coalesced"] += 1
+                log.warning("snapshot_abandoned_at_close", step=self._pending.step)
                 self._pending = None
             self._cv.notify_all()
-        self._worker.join(timeout=60)
+        self._worker.join(timeout=timeout)
         self._pool.shutdown(wait=True)
 
     def __len__(self) -> int:

@@ -1,0 +1,302 @@
+"""The keeper tier: copies of recent host images in detached Ray actors that outlive the training client.
+
+Each :class:`Keeper` holds the newest ``keep`` images of one job in its own memory (private copies, so
+the images survive the process that sent them). :class:`KeeperTier` is the client: it places keepers on
+other nodes than its own, pushes images to all of them from a background thread (coalescing to the
+newest), and reads back the newest intact image from whichever keepers are still alive.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import structlog
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from snapshot.errors import SnapshotCorruptError
+from snapshot.image import HostImage
+
+__all__ = ["Keeper", "KeeperTier"]
+
+log = structlog.get_logger("snapshot.keeper")
+
+PREFIX = "keeper-"
+
+
+def _private_copy(image: HostImage) -> HostImage:
+    """``image`` with every array copied into memory this process owns (object-store views are not).
+
+    ``meta`` is deep-copied too: numpy arrays in it arrive as read-only views, and ``meta_checksum``
+    (pickle protocol 5) hashes a read-only array differently from a writable one.
+    """
+    leaves = tuple(
+        dataclasses.replace(leaf, pieces=tuple(
+            dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces))
+        for leaf in image.leaves)
+    return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
+
+
+@ray.remote(max_concurrency=4)
+class Keeper:
+    """Holds the newest ``keep`` images of one job, ordered by step.
+
+    ``put`` copies first and swaps under a lock, so a failed put leaves what was held intact. A put of a
+    step at or below a held one is a rollback: the held generations at or after that step are dropped.
+    """
+
+    def __init__(self, keep: int = 1) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self._keep = keep
+        self._images: list[HostImage] = []  # ascending step
+        self._lock = threading.Lock()
+
+    def put(self, image: HostImage) -> int:
+        """Store a private copy of ``image``; return the bytes held afterwards."""
+        own = _private_copy(image)
+        with self._lock:
+            dropped = [g.step for g in self._images if g.step >= own.step]
+            self._images = [g for g in self._images if g.step < own.step] + [own]
+            self._images = self._images[-self._keep:]
+            if dropped:
+                log.info("keeper_rollback", step=own.step, dropped=dropped)
+            return sum(g.nbytes for g in self._images)
+
+    def latest(self) -> HostImage | None:
+        """The newest held image that passes ``verify()``; corrupt ones are dropped and logged."""
+        with self._lock:
+            candidates = list(reversed(self._images))
+        for image in candidates:
+            try:
+                image.verify()
+                return image
+            except SnapshotCorruptError as err:
+                log.warning("keeper_image_corrupt", step=image.step, leaf=err.leaf)
+                with self._lock:
+                    self._images = [g for g in self._images if g is not image]
+        return None
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return [g.step for g in self._images]
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(g.nbytes for g in self._images)
+
+    def drop(self) -> None:
+        with self._lock:
+            self._images = []
+
+    def node_id(self) -> str:
+        """The Ray node this keeper lives on."""
+        return ray.get_runtime_context().get_node_id()
+
+
+def _placements(n: int, avoid_node: str) -> list[str]:
+    """Node ids for ``n`` keepers: spread over alive nodes other than ``avoid_node``, else on it."""
+    others = sorted(node["NodeID"] for node in ray.nodes()
+                    if node.get("Alive") and node.get("Resources") and node["NodeID"] != avoid_node)
+    return [others[i % len(others)] for i in range(n)] if others else [avoid_node] * n
+
+
+class KeeperTier:
+    """The client side of a job's keepers (detached actors ``keeper-0..N-1`` in ``namespace``).
+
+    ``push`` never blocks the caller; every Ray wait is bounded by ``timeout_s`` (or the caller's).
+    ``every``: one image in ``every`` pushed is sent (a rollback, a step at or below the last sent, always is).
+    """
+
+    def __init__(self, namespace: str, *, num_keepers: int = 2, keep: int = 1, every: int = 1,
+                 avoid_node: str | None = None, timeout_s: float = 60.0) -> None:
+        if num_keepers < 1 or keep < 1 or every < 1:
+            raise ValueError(f"num_keepers, keep and every must be at least 1, got {num_keepers}, {keep}, {every}")
+        self.namespace, self._num, self._keep, self._every = namespace, num_keepers, keep, every
+        self._avoid_node, self._timeout_s = avoid_node, timeout_s
+        self._keepers: dict[str, Any] = {}  # name -> handle; a keeper that died is removed
+        self._cond = threading.Condition()
+        self._pending: HostImage | None = None
+        self._busy = self._closing = self._none_left = False
+        self._thread: threading.Thread | None = None
+        self._offered, self._last_sent = 0, None
+        self._stats: dict[str, int] = {"keeper_pushes": 0, "keeper_coalesced": 0, "keeper_push_failures": 0, "keeper_skipped": 0}
+
+    def start(self) -> KeeperTier:
+        """Get or create the keepers, on other nodes than ``avoid_node`` where the cluster has any.
+
+        Keepers that exist already are reused as they are (their ``keep`` included).
+
+        Placement is a hard node affinity: Ray 2.60's soft affinity was seen to ignore the node it was
+        given (two keepers on one node) even with both nodes alive. Raises if no keeper comes up.
+        """
+        avoid = self._avoid_node or ray.get_runtime_context().get_node_id()
+        nodes = _placements(self._num, avoid)
+        for i, node in enumerate(nodes):
+            name = f"{PREFIX}{i}"
+            self._keepers[name] = Keeper.options(
+                name=name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+                max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(self._keep)
+        where = self.nodes(self._timeout_s)  # waits until placed; a keeper whose node died is forgotten
+        log.info("keepers_started", namespace=self.namespace, nodes=where)
+        if len(where) < len(nodes):
+            log.warning("keepers_missing", namespace=self.namespace, wanted=nodes, got=where)
+        if not where:
+            raise RuntimeError(f"no keeper of {self.namespace!r} started within {self._timeout_s} s on nodes {nodes}")
+        return self._run()
+
+    @classmethod
+    def attach(cls, namespace: str, *, every: int = 1, timeout_s: float = 60.0) -> KeeperTier | None:
+        """A client of the keepers already running in ``namespace`` (e.g. left by a crashed client), or None.
+
+        Creates no actor; pushes from it go to the keepers found.
+        """
+        names = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                       if e["namespace"] == namespace and e["name"].startswith(PREFIX))
+        tier = cls(namespace, num_keepers=max(1, len(names)), every=every, timeout_s=timeout_s)
+        for name in names:
+            try:
+                tier._keepers[name] = ray.get_actor(name, namespace=namespace)
+            except ValueError:  # died meanwhile
+                pass
+        return tier._run() if tier._keepers else None
+
+    def _run(self) -> KeeperTier:
+        self._thread = threading.Thread(target=self._loop, name=f"keeper-push-{self.namespace}", daemon=True)
+        self._thread.start()
+        return self
+
+    def handles(self) -> dict[str, Any]:
+        """The keepers believed alive, by name."""
+        return dict(self._keepers)
+
+    def push(self, image: HostImage) -> bool:
+        """Queue ``image`` for every keeper and return at once; True if it will be sent (see ``every``).
+
+        A queued image not yet sent is replaced by a newer push (counted as ``keeper_coalesced``).
+        """
+        if self._thread is None:
+            raise RuntimeError("KeeperTier.push before start() or attach()")
+        with self._cond:
+            rollback = self._last_sent is not None and image.step <= self._last_sent
+            self._offered += 1
+            if not rollback and self._last_sent is not None and self._offered < self._every:
+                self._stats["keeper_skipped"] += 1
+                return False
+            self._offered, self._last_sent = 0, image.step
+            if self._pending is not None:
+                self._stats["keeper_coalesced"] += 1
+                log.info("keeper_push_coalesced", replaced=self._pending.step, step=image.step)
+            self._pending = image
+            self._cond.notify_all()
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until no push is queued or in flight; False if ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                if self._closing:
+                    return
+                image, self._pending, self._busy = self._pending, None, True
+            try:
+                self._send(image)
+            except Exception as err:  # noqa: BLE001 - the thread must survive; the failure is counted
+                self._count("keeper_push_failures", len(self._keepers))
+                log.warning("keeper_push_failed", step=image.step, error=repr(err))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _send(self, image: HostImage) -> None:
+        calls = dict(self._keepers)
+        if not calls:  # keepers are never restarted: this lasts, so say it once
+            self._count("keeper_push_failures")
+            if not self._none_left:
+                log.warning("keeper_none_left", namespace=self.namespace, step=image.step)
+            self._none_left = True
+            return
+        ref = ray.put(image)  # once, for all keepers
+        calls = {name: k.put.remote(ref) for name, k in calls.items()}
+        for name, result in self._collect(calls, self._timeout_s).items():
+            if isinstance(result, Exception):
+                self._count("keeper_push_failures")
+                log.warning("keeper_push_failed", keeper=name, step=image.step, error=repr(result))
+        self._count("keeper_pushes")
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._cond:
+            self._stats[key] += n
+
+    def _collect(self, calls: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Each call's result or exception, waiting ``timeout`` in all; forgets keepers that died."""
+        deadline = time.monotonic() + timeout
+        out: dict[str, Any] = {}
+        for name, ref in calls.items():
+            try:
+                out[name] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError as err:  # may come back: keep it
+                out[name] = err
+            except ray.exceptions.RayActorError as err:  # died; max_restarts=0, so for good
+                self._keepers.pop(name, None)
+                log.warning("keeper_gone", keeper=name, error=type(err).__name__)
+                out[name] = err
+            except ray.exceptions.RayError as err:  # timed out, or the call raised
+                out[name] = err
+        return out
+
+    def latest(self, timeout: float = 60.0) -> HostImage | None:
+        """The newest intact image any live keeper holds (None if none does); its pieces are read-only.
+
+        Asks every keeper for its steps, then fetches from the one with the newest, falling back to the next.
+        """
+        deadline = time.monotonic() + timeout
+        held = self._collect({n: k.steps.remote() for n, k in dict(self._keepers).items()}, timeout)
+        tops = sorted(((max(s), n) for n, s in held.items() if isinstance(s, list) and s), reverse=True)
+        best: HostImage | None = None
+        for top, name in tops:
+            if (best is not None and best.step >= top) or name not in self._keepers:
+                continue
+            got = self._collect({name: self._keepers[name].latest.remote()}, max(0.0, deadline - time.monotonic()))
+            image = got[name]
+            if isinstance(image, HostImage) and (best is None or image.step > best.step):
+                best = image
+        return None if best is None else dataclasses.replace(best, meta=copy.deepcopy(best.meta))  # see _private_copy
+
+    def nodes(self, timeout: float = 10.0) -> dict[str, str]:
+        """The node id of each keeper that answers, by name."""
+        got = self._collect({n: k.node_id.remote() for n, k in dict(self._keepers).items()}, timeout)
+        return {n: node for n, node in got.items() if isinstance(node, str)}
+
+    def stats(self, timeout: float = 10.0) -> dict[str, int]:
+        """Counters plus ``keeper_bytes`` (summed over the keepers answering) and ``keepers_alive``."""
+        held = self._collect({n: k.held_bytes.remote() for n, k in dict(self._keepers).items()}, timeout)
+        alive = [b for b in held.values() if isinstance(b, int)]
+        with self._cond:
+            counters = dict(self._stats)
+        return {**counters, "keeper_bytes": sum(alive), "keepers_alive": len(alive)}
+
+    def close(self, *, kill: bool, timeout: float = 10.0) -> None:
+        """Stop pushing; ``kill`` ends the keepers (normal end of job), otherwise they stay for a new client."""
+        with self._cond:
+            if self._pending is not None:  # the caller did not wait(): say what is lost
+                log.warning("keeper_push_abandoned", step=self._pending.step)
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if kill:
+            for handle in dict(self._keepers).values():
+                ray.kill(handle, no_restart=True)
+            log.info("keepers_killed", namespace=self.namespace, keepers=sorted(self._keepers))
+            self._keepers.clear()
