@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import ray
+import structlog
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 import runtime
@@ -25,7 +26,7 @@ from elastic.cluster import ActorGroup, connect
 from elastic.config import ElasticConfig
 from elastic.errors import ConfigError, ElasticError, GiveUpError
 from elastic.faults import Fault, Faults
-from elastic.log import get_logger
+from elastic.log import configure_logging, get_logger
 from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
 from elastic.run import LiveState, Regroup, Run
@@ -72,6 +73,8 @@ class ElasticJob:
         self._agent_nodes = agent_nodes
         self._on_step = on_step
         self._ray_address = ray_address
+        if not structlog.is_configured():  # events go to stderr unless the application set structlog up
+            configure_logging()
         self._log = get_logger("elastic.job", job=config.job_name)
         self._faults.validate(num_slices=config.num_slices, num_steps=config.num_steps)
         self.topology = self._topology()

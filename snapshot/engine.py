@@ -16,11 +16,14 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+import xxhash
 from jax.sharding import SingleDeviceSharding
 
-from snapshot.image import checksum
+from snapshot.image import aligned_empty, checksum
 
 __all__ = ["Copy", "DeviceEngine", "Engine", "HostEngine", "aligned_empty", "pick_engine"]
+
+CHUNK = 1 << 21  # bytes copied then hashed while still in cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,14 +36,6 @@ class Copy:
     buffer: np.ndarray | None = None  # the bytes themselves where the engine owns them (HostEngine)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data is ``align``-byte aligned (so jax can alias it without a copy)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
-
-
 class Engine(Protocol):
     name: str
 
@@ -49,6 +44,9 @@ class Engine(Protocol):
 
     def write(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         """On the background thread: the finished copy in ``dest``'s host memory."""
+
+    def write_checksummed(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> tuple[Copy, int]:
+        """``write``, and the copy's checksum (the same value ``checksum(copy)`` gives)."""
 
     def checksum(self, copy: Copy) -> int:
         """The checksum of a finished copy, computed where the copy lives."""
@@ -64,9 +62,24 @@ class HostEngine:
         return np.asarray(shard)  # zero-copy on CPU; blocks until the shard is computed
 
     def write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
+        return self._write(staged, dest, slice_, buffer, None)
+
+    def write_checksummed(self, staged: np.ndarray, dest: Any, slice_: int,
+                          buffer: np.ndarray | None) -> tuple[Copy, int]:
+        hasher = xxhash.xxh3_64()
+        return self._write(staged, dest, slice_, buffer, hasher), hasher.intdigest()
+
+    def _write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None,
+               hasher: Any) -> Copy:
+        """Copy in cache-sized chunks, hashing each chunk while it is still in cache."""
         if buffer is None or buffer.shape != staged.shape or buffer.dtype != staged.dtype:
             buffer = aligned_empty(staged.shape, staged.dtype)
-        np.copyto(buffer, staged)
+        src = staged.reshape(-1).view(np.uint8) if staged.size else staged.reshape(-1)
+        dst = buffer.reshape(-1).view(np.uint8) if buffer.size else buffer.reshape(-1)
+        for start in range(0, max(dst.size, 1), CHUNK):
+            np.copyto(dst[start:start + CHUNK], src[start:start + CHUNK])
+            if hasher is not None:
+                hasher.update(dst[start:start + CHUNK])
         array = jax.device_put(buffer, SingleDeviceSharding(dest, memory_kind="pinned_host"))
         return Copy(device=dest, slice=slice_, array=array, buffer=buffer)
 
@@ -106,6 +119,11 @@ class DeviceEngine:
     def write(self, staged: jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         staged.block_until_ready()
         return Copy(device=dest, slice=slice_, array=staged)
+
+    def write_checksummed(self, staged: jax.Array, dest: Any, slice_: int,
+                          buffer: np.ndarray | None) -> tuple[Copy, int]:
+        copy = self.write(staged, dest, slice_, buffer)
+        return copy, self.checksum(copy)
 
     def checksum(self, copy: Copy) -> int:
         on_device = jax.device_put(copy.array, SingleDeviceSharding(copy.device, memory_kind="device"))

@@ -19,7 +19,7 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 from snapshot.engine import Copy, Engine
 from snapshot.errors import SnapshotCorruptError, SnapshotUnavailableError
-from snapshot.image import HostImage, Index, LeafImage, Piece, assemble, checksum, meta_checksum, region, wrap_keys
+from snapshot.image import HostImage, Index, LeafImage, Piece, checksum, meta_checksum, place, region, wrap_keys
 
 __all__ = ["Generation", "LeafRecord", "PieceRecord", "Guard", "restore_generation", "to_image"]
 
@@ -104,9 +104,7 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
             arr = jax.make_array_from_single_device_arrays(rec.shape, data_sharding, arrays)
             return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
     pieces = [(index, engine.host_view(c)) for index, c in chosen.items()]
-    dtype = np.dtype(rec.dtype)
-    arr = jax.make_array_from_callback(
-        rec.shape, data_sharding, lambda idx: assemble(region(idx, rec.shape), pieces, dtype))
+    arr = place(rec.shape, np.dtype(rec.dtype), data_sharding, pieces)
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
 
 

@@ -8,6 +8,7 @@ keys are stored as their ``jax.random.key_data`` (``key_impl`` names the impleme
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors h
     import jax
     from jax.sharding import Sharding
 
-__all__ = ["Index", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
+__all__ = ["Index", "aligned_empty", "place", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
            "wrap_keys"]
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the stored array
@@ -89,6 +90,14 @@ class HostImage:
                     raise SnapshotCorruptError(self.step, i)
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data is ``align``-byte aligned (jax on CPU then adopts it without a copy)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
+
+
 def _overlap(a: Index, b: Index) -> Index | None:
     out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return None if any(lo >= hi for lo, hi in out) else out
@@ -100,9 +109,11 @@ def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) ->
     Raises :class:`SnapshotStructureError` if the pieces do not cover ``want``.
     """
     for index, data in pieces:
-        if index == want:
-            return np.array(data, copy=True)  # a fresh buffer: the restored array must not alias a snapshot
-    out = np.empty(tuple(hi - lo for lo, hi in want), dtype=dtype)
+        if index == want:  # a fresh buffer: the restored array must not alias a snapshot
+            out = aligned_empty(data.shape, data.dtype)
+            np.copyto(out, data)
+            return out
+    out = aligned_empty(tuple(hi - lo for lo, hi in want), np.dtype(dtype))
     covered = np.zeros(out.shape, dtype=bool)
     for index, data in pieces:
         ov = _overlap(index, want)
@@ -115,6 +126,25 @@ def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) ->
     if not covered.all():
         raise SnapshotStructureError(f"the saved pieces do not cover region {want}")
     return out
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding,
+          pieces: list[tuple[Index, np.ndarray]]) -> jax.Array:
+    """An array of ``shape`` on ``sharding`` whose every device shard is a fresh buffer assembled from
+    ``pieces`` (on 2 threads: copies release the GIL); on CPU jax adopts each aligned buffer as is."""
+    import jax
+
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="snapshot-restore")
+    where = sharding.addressable_devices_indices_map(shape)
+    devices = list(where)
+    buffers = list(_POOL.map(lambda d: assemble(region(where[d], shape), pieces, dtype), devices))
+    arrays = [jax.device_put(b, d) for b, d in zip(buffers, devices, strict=True)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def wrap_keys(data: jax.Array, key_impl: str, sharding: Sharding) -> jax.Array:
@@ -150,10 +180,8 @@ def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
             placed.append(values[i])
             continue
         pieces = [(p.index, p.data) for p in leaf.pieces]
-        dtype = np.dtype(leaf.dtype)
-        data_sharding = sharding  # a key leaf's data: the same sharding, its trailing key dimension whole
-        arr = jax.make_array_from_callback(
-            leaf.shape, data_sharding, lambda idx, ps=pieces, lf=leaf: assemble(region(idx, lf.shape), ps, dtype))
+        # a key leaf's data takes the key's own sharding, its trailing key dimension whole
+        arr = place(leaf.shape, np.dtype(leaf.dtype), sharding, pieces)
         placed.append(arr if leaf.key_impl is None else wrap_keys(arr, leaf.key_impl, sharding))
     return jax.tree_util.tree_unflatten(treedef, placed)
 

@@ -228,14 +228,18 @@ class Snapshotter:
             assert plan is not None
             piece = plan.pieces[j]
             copies: list[Copy] = []
+            digest = 0
             for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
                 if self._guard is not None:
                     self._guard([cp.dest])
-                made = engine.write(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
+                if k == 0:  # one checksum per piece, taken from its first copy as it is written
+                    made, digest = engine.write_checksummed(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
+                else:
+                    made = engine.write(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
                 if made.buffer is not None:
                     buffers[(i, j, k)] = made.buffer
                 copies.append(made)
-            return PieceRecord(index=piece.index, checksum=engine.checksum(copies[0]), copies=tuple(copies))
+            return PieceRecord(index=piece.index, checksum=digest, copies=tuple(copies))
 
         futures = {(i, j): self._pool.submit(one_piece, i, j) for i, plan in enumerate(req.plans) if plan
                    for j in range(len(plan.pieces))}
