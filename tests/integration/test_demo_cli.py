@@ -35,3 +35,22 @@ def test_demo_json_verify():
     events = [e["event"] for e in out["timeline"]]
     for expected in ("inject_kill", "failure", "detected", "restored", "first_step", "inject_revive", "grow"):
         assert expected in events, events
+
+
+@pytest.mark.timeout(400)
+def test_demo_client_crash_resumes_from_the_keepers():
+    elastic = Path(sys.executable).parent / "elastic"
+    proc = subprocess.run(
+        [str(elastic), "demo", "--scenario", "client-crash", "--json", "--verify", "--no-progress", "--steps", "40",
+         "--kill-client-at", "27", "--snapshot-every", "5"],
+        capture_output=True, text=True, timeout=360, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
+    out = json.loads(lines[0])
+    assert out["scenario"] == "client-crash" and out["first_client_exit"] == -9
+    assert out["resumed_from_tier"] == "keeper" and out["client_restarts"] == 1
+    assert out["restores"][0]["tier"] == "keeper" and 0 < out["restores"][0]["step"] <= 25
+    assert out["steps_committed"] == 40 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
+    assert out["max_abs_param_diff_vs_reference"] <= 1e-4
