@@ -2,14 +2,15 @@
 
 The loop iterates ``run.steps`` (it resumes at the snapshot's step), computes each step and calls
 ``run.commit(state)`` once per step. A commit waits for the step's result, so a lost slice surfaces
-there at the latest; it also takes the periodic snapshot and, when the membership view has changed,
-ends this pass at the step boundary so the job re-enters the loop on the new mesh.
+there at the latest, and asks for the periodic snapshot. Step boundaries belong to the iterator: when
+the membership view has changed, ``run.steps`` ends the pass before the next step starts (the code
+after ``commit`` always runs), and the job re-enters the loop on the new mesh.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -19,10 +20,7 @@ from elastic.errors import ConfigError
 from elastic.membership import View
 from runtime import batch_sharding, guarded, wait_ready
 
-if TYPE_CHECKING:
-    from elastic.job import ElasticJob
-
-__all__ = ["LiveState", "Run", "Regroup"]
+__all__ = ["LiveState", "Run", "RunHost", "Regroup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +42,25 @@ class Regroup(BaseException):
         self.live = live
 
 
-class Run:
-    """One pass of the user's loop over one membership view. Built by :class:`ElasticJob`."""
+class RunHost(Protocol):
+    """What a run needs from the controller, and all it may call."""
 
-    def __init__(self, job: ElasticJob, *, view: View, mesh: Mesh, state: Any, start_step: int,
+    num_steps: int
+    seed: int
+
+    def before_step(self, step: int) -> None: ...
+
+    def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None: ...
+
+    def boundary(self, run: Run, next_step: int) -> Regroup | None: ...
+
+
+class Run:
+    """One pass of the user's loop over one membership view. Built by the controller."""
+
+    def __init__(self, host: RunHost, *, view: View, mesh: Mesh, state: Any, start_step: int,
                  extras: dict[str, Any]) -> None:
-        self._job = job
+        self._host = host
         self.view = view
         self.mesh = mesh
         self.state = state
@@ -58,6 +69,7 @@ class Run:
         self._devices = tuple(mesh.devices.flat)
         self._pending: int | None = None
         self._steps_started = False
+        self.saved_at: int | None = None  # the step the newest snapshot of this pass resumes at
 
     @property
     def epoch(self) -> int:
@@ -73,7 +85,7 @@ class Run:
 
     @property
     def num_steps(self) -> int:
-        return self._job.config.num_steps
+        return self._host.num_steps
 
     @property
     def steps(self) -> Iterator[int]:
@@ -85,8 +97,12 @@ class Run:
 
     def _iterate(self) -> Iterator[int]:
         for step in range(self.start_step, self.num_steps):
+            if step > self.start_step:  # the previous step's body has finished: a membership change ends the pass
+                regroup = self._host.boundary(self, step)
+                if regroup is not None:
+                    raise regroup
             self._pending = step
-            self._job._before_step(step)
+            self._host.before_step(step)
             yield step
             if self._pending is not None:
                 raise ConfigError(f"step {step} ended without run.commit(state): commit once per step")
@@ -95,6 +111,7 @@ class Run:
         """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
 
         Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile.
+        Returns once the snapshot (when one is due) is requested: it is copied in the background.
         """
         step = self._pending
         if step is None:
@@ -102,7 +119,7 @@ class Run:
         wait_ready((state, metrics), self._devices)
         self._pending = None
         self.state = state
-        self._job._on_commit(self, step, state, step if batch is None else batch, metrics)
+        self._host.committed(self, step, state, step if batch is None else batch, metrics)
 
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices."""
@@ -126,4 +143,4 @@ class Run:
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
-        return jax.random.fold_in(jax.random.key(self._job.config.seed), step)
+        return jax.random.fold_in(jax.random.key(self._host.seed), step)

@@ -1,0 +1,206 @@
+"""The controller: drives :mod:`elastic.transitions` and carries out each action it returns.
+
+One executor per action; each returns the next event (or ends the job). A slice-loss error raised
+while an executor runs becomes a ``Failed`` event; any other error ends the job as it is. The
+controller is also the host the user's :class:`~elastic.run.Run` talks to, through three calls:
+``before_step``, ``committed`` and ``boundary``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+import runtime
+from elastic.accounting import Accounting
+from elastic.cluster import ActorGroup
+from elastic.config import ElasticConfig
+from elastic.errors import ConfigError, ElasticError, GiveUpError
+from elastic.log import get_logger
+from elastic.membership import View
+from elastic.report import Report
+from elastic.run import LiveState, Regroup, Run
+from elastic.tiers import SnapshotPolicy, TierSet
+from elastic.transitions import (Abort, Action, AwaitView, Boundary, Event, Failed, Finish, GiveUp, LoopReturned,
+                                 Machine, NoteFailure, Noted, Prepare, Probe, Probed, Ready, RunPass, Started,
+                                 ViewSeen, transition)
+from elastic.watcher import ViewWatcher
+
+__all__ = ["Controller", "JobResult"]
+
+StepHook = Callable[[int], None]
+StepCallback = Callable[[int, dict[str, Any], Run], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    state: Any  # the state after the last committed step
+    value: Any  # what the loop returned
+    report: Report
+
+
+class Controller:
+    def __init__(self, *, config: ElasticConfig, topology: runtime.Topology, mesh_fn: runtime.MeshFn | None,
+                 shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
+                 watcher: ViewWatcher, group: ActorGroup, accounting: Accounting,
+                 before_step: list[StepHook], on_step: StepCallback | None) -> None:
+        self.config = config
+        self.num_steps = config.num_steps
+        self.seed = config.seed
+        self._topology = topology
+        self._mesh_fn = mesh_fn
+        self._shardings = shardings
+        self._init_fn = init_fn
+        self._tiers = tiers
+        self._watcher = watcher
+        self._group = group
+        self._acct = accounting
+        self._hooks = before_step
+        self._on_step = on_step
+        self._policy = SnapshotPolicy(every=config.snapshot_every, num_steps=config.num_steps)
+        self._log = get_logger("elastic.controller", job=config.job_name)
+        self._loop: Callable[[Run], Any] | None = None
+        self._live: LiveState | None = None
+        self._run: Run | None = None
+        self._recovering = False
+        self._result: JobResult | None = None
+        self._value: Any = None
+
+    # -- the driver ----------------------------------------------------------------------------
+    def run(self, loop: Callable[[Run], Any]) -> JobResult:
+        """Run ``loop`` to the last step through the state machine, re-entering it on each view change."""
+        self._loop = loop
+        view = self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
+        self._acct.timeline.add("started", slices=len(view.active), epoch=view.epoch)
+        machine, event = Machine(), Started(view)
+        while True:
+            machine, action = transition(machine, event, self.config.max_transient_retries)
+            self._log.debug("transition", state=machine.state.value, action=type(action).__name__,
+                            epoch=machine.view.epoch)
+            next_event = self._execute(machine, action)
+            if next_event is None:
+                assert self._result is not None
+                return self._result
+            event = next_event
+
+    def _execute(self, machine: Machine, action: Action) -> Event | None:
+        try:
+            if isinstance(action, Prepare):
+                return self._prepare(action)
+            if isinstance(action, RunPass):
+                return self._run_pass(machine)
+        except Exception as err:  # noqa: BLE001 - only slice loss is recovered; the rest ends the job
+            if not runtime.is_slice_loss(err):
+                raise
+            self._live = None  # whatever was live may sit on lost devices: restore from a snapshot
+            return Failed(f"{type(err).__name__}: {err}")
+        if isinstance(action, NoteFailure):
+            attempt = self._acct.failure(action.cause)
+            self._recovering = True
+            return Noted(self._watcher.view, attempt)
+        if isinstance(action, Probe):
+            return self._probe(action)
+        if isinstance(action, AwaitView):
+            return self._await_view(action)
+        if isinstance(action, Finish):
+            report = self._acct.finish(machine.view)
+            self._tiers.fill(report)
+            assert self._run is not None
+            self._result = JobResult(state=self._run.state, value=self._value, report=report)
+            return None
+        if isinstance(action, GiveUp):
+            raise GiveUpError(action.reason, epoch=action.epoch)
+        if isinstance(action, Abort):
+            raise (ConfigError if action.kind == "early_return" else ElasticError)(action.message)
+        raise AssertionError(f"no executor for {action!r}")
+
+    # -- executors -----------------------------------------------------------------------------
+    def _prepare(self, action: Prepare) -> Event:
+        """Put the state on a mesh over ``action.view``: moved device to device, restored, or initialised."""
+        view = action.view
+        mesh = runtime.build_mesh(self._topology.select(view.active), self._mesh_fn)
+        shardings = self._shardings(mesh)
+        devices = tuple(mesh.devices.flat)
+        self._acct.on_view(view)
+        if self._recovering:
+            self._acct.report.recoveries += 1
+            self._acct.timeline.add("detected", epoch=view.epoch, slices=len(view.active), reason=view.reason)
+            self._recovering = False
+        live, self._live = self._live, None
+        if action.live and live is not None:
+            state = runtime.wait_ready(runtime.guarded(runtime.reshard, devices)(live.state, shardings), devices)
+            self._acct.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
+            self._run = Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
+            return Ready()
+        restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
+        if restored is None:
+            self._acct.fresh_start()
+            init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
+            state = runtime.wait_ready(init(jax.random.key(self.seed)), devices)
+            self._save(0, state, {})
+            self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
+            return Ready()
+        self._acct.restored(restored.meta, step=restored.step, tier=restored.tier, generation=restored.generation,
+                            view=view)
+        self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
+        state = runtime.wait_ready(restored.state, devices)
+        self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step,
+                        extras=copy.deepcopy(restored.meta["extras"]))
+        return Ready()
+
+    def _run_pass(self, machine: Machine) -> Event:
+        assert self._run is not None and self._loop is not None
+        try:
+            self._value = self._loop(self._run)
+        except Regroup as regroup:
+            self._acct.regrouped(machine.view, regroup.view, self._run.start_step)
+            self._live = regroup.live
+            return Boundary(regroup.view)
+        steps = self._acct.ledger.steps
+        return LoopReturned(complete=steps[-1:] == [self.num_steps - 1], last_committed=steps[-1] if steps else None,
+                            last_step=self.num_steps - 1)
+
+    def _probe(self, action: Probe) -> Event:
+        dead = frozenset(runtime.probe_slices(self._topology.select(action.slices)))
+        attempt = self._acct.failures_in_a_row
+        if not dead and attempt <= self.config.max_transient_retries:
+            self._log.warning("transient_failure_retry", attempt=attempt)
+        return Probed(dead, attempt)
+
+    def _await_view(self, action: AwaitView) -> Event:
+        self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
+        self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error")
+        view = self._watcher.wait_for(lambda v: v.epoch > action.after_epoch and not v.active & action.dead,
+                                      self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed")
+        return ViewSeen(view)
+
+    # -- what Run calls ------------------------------------------------------------------------
+    def before_step(self, step: int) -> None:
+        for hook in self._hooks:
+            hook(step)
+
+    def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None:
+        self._acct.committed(step, batch, metrics, run.view)
+        if self._policy.due(step + 1):
+            self._save(step + 1, state, run.extras)
+            run.saved_at = step + 1
+        if self._on_step is not None:
+            self._on_step(step, metrics, run)
+
+    def boundary(self, run: Run, next_step: int) -> Regroup | None:
+        """Before ``next_step`` starts: a ``Regroup`` when the supervisor's view has changed."""
+        view = self._watcher.view
+        if view.epoch == run.epoch:
+            return None
+        if view.gave_up is not None:
+            return Regroup(view, None)
+        if run.saved_at != next_step:
+            self._save(next_step, run.state, run.extras)  # the snapshot boundary: nothing is lost
+        return Regroup(view, LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)))
+
+    def _save(self, next_step: int, state: Any, extras: dict[str, Any]) -> None:
+        self._tiers.save(next_step, state, self._acct.meta(copy.deepcopy(extras), self.seed))
