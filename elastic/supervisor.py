@@ -1,8 +1,10 @@
 """The supervisor: one detached, named Ray actor per job holding the membership view.
 
-It observes slice health (registrations, heartbeats, agent death, client reports), appends each
-observation to a history, asks :func:`elastic.policy.decide` what to do, and publishes the answer as a
-new :class:`~elastic.membership.View` with a higher epoch. Clients wait on epoch changes with
+It observes slice health (registrations, heartbeats, agent death, client reports), folds each
+observation into a :class:`~elastic.policy.HealthTally` (so judging costs O(slices), not O(history)),
+asks :func:`elastic.policy.decide` what to do, and publishes the answer as a new
+:class:`~elastic.membership.View` with a higher epoch. An agent holding many slices registers and
+heartbeats them in one call each (``register_slices``, ``heartbeats``). Clients wait on epoch changes with
 ``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to a JSON-lines
 event log, from which a restarted supervisor rebuilds its view; agents re-register on their next
 heartbeat.
@@ -21,7 +23,7 @@ import ray
 from elastic.config import Policy
 from elastic.log import get_logger
 from elastic.membership import HealthEvent, View
-from elastic.policy import GiveUp, Grow, Shrink, Stay, Wait, decide, healthy_slices
+from elastic.policy import GiveUp, Grow, HealthTally, Shrink, Stay, Wait, decide
 
 __all__ = ["Supervisor", "SUPERVISOR_NAME"]
 
@@ -37,13 +39,14 @@ class Supervisor:
         self._tick_s = tick_s
         self._log_path = log_path
         self._view = View()
-        self._history: list[HealthEvent] = []
+        self._tally = HealthTally(policy)  # the health history, folded as it grows
         self._beats: dict[int, float] = {}
         self._incarnations: dict[int, int | None] = {}
         self._revoked: set[tuple[int, int | None]] = set()  # (slice, incarnation) judged lost: never healthy again
         self._events: list[dict[str, Any]] = []
         self._cond: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
+        self._watches: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self._log = get_logger("elastic.supervisor", job=job)
         self._resume = False
         self._client_seen = time.monotonic()  # the client's lease: its watcher long-polls wait_for_epoch
@@ -70,7 +73,7 @@ class Supervisor:
         # The active slices count as healthy until their agents fail to re-register within a heartbeat timeout.
         now = time.monotonic()
         for s in self._view.active:
-            self._history.append(HealthEvent(time=now, slice=s, healthy=True, cause="rebuilt from the event log"))
+            self._tally.add(HealthEvent(time=now, slice=s, healthy=True, cause="rebuilt from the event log"))
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
         self._resume = self._view.epoch > 0
@@ -82,13 +85,10 @@ class Supervisor:
             self._cond = asyncio.Condition()
         return self._cond
 
-    def _is_healthy(self, slice_index: int) -> bool:
-        return slice_index in healthy_slices(self._history)
-
     def _observe(self, slice_index: int, healthy: bool, cause: str) -> None:
-        if self._is_healthy(slice_index) == healthy and any(e.slice == slice_index for e in self._history):
+        if self._tally.knows(slice_index) and self._tally.is_healthy(slice_index) == healthy:
             return
-        self._history.append(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
+        self._tally.add(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
         self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause})
         self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch)
 
@@ -97,23 +97,44 @@ class Supervisor:
 
         An incarnation once judged lost stays lost: only a new agent brings its slice back.
         """
+        return await self.register_slices([(slice_index, incarnation)], agent)
+
+    async def register_slices(self, slices: list[tuple[int, int]], agent: Any) -> View:
+        """``register`` for every ``(slice, incarnation)`` an agent holds, in one call: one lifeline
+        watches them all, so the agent's death loses each of them."""
         self._ensure_monitor()
-        if (slice_index, incarnation) in self._revoked:
-            return self._view
-        self._incarnations[slice_index] = incarnation
-        self._beats[slice_index] = time.monotonic()
-        self._observe(slice_index, True, f"agent registered (incarnation {incarnation})")
-        asyncio.get_running_loop().create_task(self._watch(slice_index, incarnation, agent))
-        await self._evaluate()
+        now = time.monotonic()
+        fresh = [(s, incarnation) for s, incarnation in slices if (s, incarnation) not in self._revoked]
+        for s, incarnation in fresh:
+            self._incarnations[s] = incarnation
+            self._beats[s] = now
+            self._observe(s, True, f"agent registered (incarnation {incarnation})")
+        if fresh:
+            watch = asyncio.get_running_loop().create_task(self._watch(fresh, agent))
+            self._watches.add(watch)
+            watch.add_done_callback(self._watches.discard)
+            await self._evaluate()
         return self._view
 
     async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
         """False tells the agent to register again (this supervisor does not know it)."""
+        return not await self.heartbeats([(slice_index, incarnation)])
+
+    async def heartbeats(self, beats: list[tuple[int, int]]) -> list[int]:
+        """Heartbeats of many ``(slice, incarnation)`` pairs in one call, from an agent holding them all.
+
+        Returns the slices this supervisor does not know as such (empty when all is well): their agent
+        must register them again.
+        """
         self._ensure_monitor()
-        if self._incarnations.get(slice_index) != incarnation:
-            return False
-        self._beats[slice_index] = time.monotonic()
-        return True
+        now = time.monotonic()
+        unknown = []
+        for s, incarnation in beats:
+            if self._incarnations.get(s) == incarnation:
+                self._beats[s] = now
+            else:
+                unknown.append(s)
+        return unknown
 
     async def report_lost(self, slices: list[int], cause: str) -> View:
         """A client saw these slices fail (e.g. its computation raised a slice-loss error)."""
@@ -128,14 +149,16 @@ class Supervisor:
         if incarnation is not None:
             self._revoked.add((slice_index, incarnation))
 
-    async def _watch(self, slice_index: int, incarnation: int, agent: Any) -> None:
+    async def _watch(self, slices: list[tuple[int, int]], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
         try:
             await agent.lifeline.remote()
         except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
-            if self._incarnations.get(slice_index) == incarnation:
-                self._revoke(slice_index)
-                self._observe(slice_index, False, f"agent died: {type(err).__name__}")
+            lost = [s for s, incarnation in slices if self._incarnations.get(s) == incarnation]
+            for s in lost:
+                self._revoke(s)
+                self._observe(s, False, f"agent died: {type(err).__name__}")
+            if lost:
                 await self._evaluate()
 
     # -- decisions -----------------------------------------------------------------------------
@@ -164,7 +187,7 @@ class Supervisor:
     async def _evaluate(self) -> None:
         if self._monitor is None:
             return
-        decision = decide(self._view, self._history, time.monotonic(), self._policy)
+        decision = decide(self._view, self._tally, time.monotonic(), self._policy)
         if isinstance(decision, (Stay, Wait)):
             if isinstance(decision, Wait) and (not self._events or self._events[-1].get("reason") != decision.reason):
                 self._append({"kind": "wait", "reason": decision.reason})
@@ -210,3 +233,8 @@ class Supervisor:
 
     async def events(self) -> list[dict[str, Any]]:
         return list(self._events)
+
+    async def usage(self) -> dict[str, float]:
+        """This supervisor's process id, the CPU seconds its process has used, and how many slices it
+        watches (for benchmarks and status reports)."""
+        return {"pid": os.getpid(), "cpu_s": time.process_time(), "slices": len(self._incarnations)}
