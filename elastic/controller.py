@@ -69,6 +69,9 @@ class Controller:
         self._recovering = False
         self._result: JobResult | None = None
         self._value: Any = None
+        self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
+        self._standby.warm(lambda: runtime.warm_probes(topology.slices))
+        self._prepared_for: int | None = None  # the epoch standbys were last prepared for
 
     # -- the driver ----------------------------------------------------------------------------
     def run(self, loop: Callable[[Run], Any]) -> JobResult:
@@ -77,15 +80,18 @@ class Controller:
         view = self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
         self._acct.timeline.add("started", slices=len(view.active), epoch=view.epoch)
         machine, event = Machine(), Started(view)
-        while True:
-            machine, action = transition(machine, event, self.config.max_transient_retries)
-            self._log.debug("transition", state=machine.state.value, action=type(action).__name__,
-                            epoch=machine.view.epoch)
-            next_event = self._execute(machine, action)
-            if next_event is None:
-                assert self._result is not None
-                return self._result
-            event = next_event
+        try:
+            while True:
+                machine, action = transition(machine, event, self.config.max_transient_retries)
+                self._log.debug("transition", state=machine.state.value, action=type(action).__name__,
+                                epoch=machine.view.epoch)
+                next_event = self._execute(machine, action)
+                if next_event is None:
+                    assert self._result is not None
+                    return self._result
+                event = next_event
+        finally:
+            self._standby.close()
 
     def _execute(self, machine: Machine, action: Action) -> Event | None:
         try:
@@ -109,6 +115,9 @@ class Controller:
         if isinstance(action, Finish):
             report = self._acct.finish(machine.view)
             self._tiers.fill(report)
+            stats = self._standby.stats
+            report.standby_compiles, report.standby_skipped = stats.compiled, stats.skipped
+            report.standby_compile_seconds = round(stats.seconds, 3)
             assert self._run is not None
             self._result = JobResult(state=self._run.state, value=self._value, report=report)
             return None
@@ -126,6 +135,10 @@ class Controller:
         shardings = self._shardings(mesh)
         devices = tuple(mesh.devices.flat)
         self._acct.on_view(view)
+        if self._recovering or action.live:  # moving to another mesh: did the standbys cover it?
+            ready = self._standby.ready(mesh)
+            self._acct.timeline.add("standby_ready" if ready else "standby_missing", epoch=view.epoch,
+                                    slices=len(view.active))
         if self._recovering:
             self._acct.report.recoveries += 1
             self._acct.timeline.add("detected", epoch=view.epoch, slices=len(view.active), reason=view.reason)
@@ -183,8 +196,18 @@ class Controller:
         for hook in self._hooks:
             hook(step)
 
+    def wait_for_standbys(self, timeout: float) -> bool:
+        """Until the standby compiles asked for so far are done (tests and benchmarks)."""
+        return self._standby.wait(timeout)
+
+    def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh) -> None:
+        self._standby.record(fn, args, mesh)
+
     def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None:
         self._acct.committed(step, batch, metrics, run.view)
+        if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
+            self._prepared_for = run.epoch
+            self._standby.prepare(self._next_meshes(run.view))
         if self._policy.due(step + 1):
             self._save(step + 1, state, run.extras)
             run.saved_at = step + 1
@@ -201,6 +224,15 @@ class Controller:
         if run.saved_at != next_step:
             self._save(next_step, run.state, run.extras)  # the snapshot boundary: nothing is lost
         return Regroup(view, LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)))
+
+    def _next_meshes(self, view: View) -> list[Mesh]:
+        """Every mesh one slice loss away (while at least ``min_slices`` remain), then the grow-back mesh."""
+        active = sorted(view.active)
+        sets = [frozenset(active) - {s} for s in active if len(active) - 1 >= self.config.policy.min_slices]
+        everything = frozenset(self._topology.indices)
+        if everything != view.active:
+            sets.append(everything)
+        return [runtime.build_mesh(self._topology.select(s), self._mesh_fn) for s in sets]
 
     def _save(self, next_step: int, state: Any, extras: dict[str, Any]) -> None:
         self._tiers.save(next_step, state, self._acct.meta(copy.deepcopy(extras), self.seed))

@@ -7,6 +7,8 @@ same process.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,16 @@ __all__ = ["ElasticJob", "JobResult"]
 InitFn = Callable[[jax.Array], Any]
 ShardingsFn = Callable[[Mesh], Any]
 
+def _use_compilation_cache(job_name: str) -> None:
+    """Turn on JAX's persistent compilation cache in a job-scoped directory (unless the application set
+    one), so that a client restarted on this machine recompiles nothing it compiled before. JAX reads the
+    setting once per process: the first job of a process names the directory."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def replicate_all(abstract_state: Any) -> Callable[[Mesh], Any]:
     """Default shardings: every leaf replicated on every device (data parallel)."""
     return lambda mesh: jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract_state)
@@ -64,6 +76,7 @@ class ElasticJob:
             configure_logging()
         self._log = get_logger("elastic.job", job=config.job_name)
         self._faults.validate(num_slices=config.num_slices, num_steps=config.num_steps)
+        _use_compilation_cache(config.job_name)
         self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
@@ -74,6 +87,7 @@ class ElasticJob:
         self._group: ActorGroup | None = None
         self._watcher: ViewWatcher | None = None
         self._ray_started = False
+        self.controller: Controller | None = None  # the controller of the current (or last) run
 
     # -- set-up ----------------------------------------------------------------------------
     def _topology(self) -> runtime.Topology:
@@ -169,7 +183,7 @@ class ElasticJob:
         if len(self._faults):
             hooks.append(FaultInjector(self._faults, topology=self.topology, simulated=self.config.simulated,
                                        group=lambda: self.group, accounting=self._acct, job=self.config.job_name))
-        controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
+        self.controller = controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
                                 shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
                                 watcher=self._watcher, group=self.group, accounting=self._acct,
                                 before_step=hooks, on_step=self._on_step)

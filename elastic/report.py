@@ -97,6 +97,9 @@ class Report:
     persistent_saves: int = 0
     resumed_from_tier: str | None = None  # the tier the first restore of a new client read (None: fresh start)
     restores: list[dict[str, Any]] = field(default_factory=list)  # each restore: step, tier, generation
+    standby_compiles: int = 0  # executables compiled ahead for meshes the job may move to
+    standby_skipped: int = 0  # calls that do not fit some candidate mesh as made (they compile on recovery)
+    standby_compile_seconds: float = 0.0
     recovery_seconds: list[float] = field(default_factory=list)
     final_loss: float | None = None
     wall_seconds: float = 0.0

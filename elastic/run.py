@@ -8,6 +8,7 @@ after ``commit`` always runs), and the job re-enters the loop on the new mesh.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -53,6 +54,8 @@ class RunHost(Protocol):
     def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None: ...
 
     def boundary(self, run: Run, next_step: int) -> Regroup | None: ...
+
+    def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh) -> None: ...
 
 
 class Run:
@@ -122,12 +125,29 @@ class Run:
         self._host.committed(self, step, state, step if batch is None else batch, metrics)
 
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-        """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices."""
-        return guarded(jax.jit(fn, **jit_kwargs), self._devices)
+        """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call
+        is recorded so that it is compiled ahead for the meshes the job may move to."""
+        return self.guard(jax.jit(fn, **jit_kwargs))
 
     def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (already compiled or plain) dispatched through the runtime's guard."""
-        return guarded(fn, self._devices)
+        """``fn`` (already compiled or plain) dispatched through the runtime's guard; a ``jax.jit``
+        function's first call is recorded for standby compilation."""
+        call = guarded(fn, self._devices)
+        if not hasattr(fn, "lower"):
+            return call
+        recorded = False
+
+        @functools.wraps(fn)
+        def first_call_recorded(*args: Any, **kwargs: Any) -> Any:
+            nonlocal recorded
+            out = call(*args, **kwargs)
+            if not recorded:
+                recorded = True
+                if not kwargs:
+                    self._host.record_call(fn, args, self.mesh)
+            return out
+
+        return first_call_recorded
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a global host batch on the mesh, its leading dimension split over every device."""

@@ -3,14 +3,16 @@ from runtime import simulated
 from runtime.batching import Chunk, plan_microbatches
 from runtime.classify import FailureKind, classify_failure, is_slice_loss
 from runtime.guard import guarded, wait_ready
-from runtime.health import SliceProbe, probe_slices
+from runtime.health import SliceProbe, probe_slices, warm_probes
 from runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from runtime.reshard import StructureError, as_shardings, check_structure, reshard
+from runtime.standby import StandbyCompiler, mesh_key
 from runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
 
 __all__ = (
     "Chunk", "FailureKind", "LOCAL_AXIS", "MeshFn", "REPLICA_AXIS", "Slice", "SliceProbe", "StructureError",
     "Topology", "TopologyError", "as_shardings", "batch_sharding", "build_mesh", "check_structure",
     "classify_failure", "guarded", "is_slice_loss", "plan_microbatches", "probe_slices", "replicated",
-    "reshard", "simulated", "simulated_topology", "topology_from_devices", "wait_ready",
+    "reshard", "simulated", "simulated_topology", "StandbyCompiler", "mesh_key", "topology_from_devices",
+    "wait_ready", "warm_probes",
 )

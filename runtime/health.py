@@ -5,7 +5,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -13,7 +12,22 @@ from runtime import simulated
 from runtime.classify import is_slice_loss
 from runtime.topology import Slice
 
-__all__ = ["SliceProbe", "probe_slices"]
+__all__ = ["SliceProbe", "probe_slices", "warm_probes"]
+
+_probe = jax.jit(lambda x: x.sum())
+
+
+def _probe_input(s: Slice) -> jax.Array:
+    mesh = Mesh(np.array(s.devices), ("d",))
+    return jax.device_put(np.ones((len(s.devices),), np.float32), NamedSharding(mesh, PartitionSpec("d")))
+
+
+def warm_probes(slices: Sequence[Slice]) -> None:
+    """Compile each slice's probe ahead, so that probing during a recovery compiles nothing."""
+    for s in slices:
+        mesh = Mesh(np.array(s.devices), ("d",))
+        sharding = NamedSharding(mesh, PartitionSpec("d"))
+        _probe.lower(jax.ShapeDtypeStruct((len(s.devices),), np.float32, sharding=sharding)).compile()
 
 
 @dataclass
@@ -27,9 +41,7 @@ class SliceProbe:
         for s in self.slices:
             try:
                 simulated.check_devices(s.devices)
-                mesh = Mesh(np.array(s.devices), ("d",))
-                x = jax.device_put(jnp.ones((len(s.devices),)), NamedSharding(mesh, PartitionSpec("d")))
-                pending.append((s, x.sum()))
+                pending.append((s, _probe(_probe_input(s))))
             except Exception as err:  # noqa: BLE001 - classified below
                 pending.append((s, err))
         return pending
