@@ -1,23 +1,31 @@
-"""Recovery and snapshot cost, each against its baseline in the same run. Prints one JSON object.
+"""Recovery from a slice loss, in process, against a restart from an Orbax checkpoint, in one run.
 
-    .venv/bin/python benchmarks/recovery.py [--hidden 1024] [--steps 40] [--kill-at 25]
+    .venv/bin/python benchmarks/recovery.py --json [--mib 256] [--kill-at 12]
 
-* recovery: an elastic job loses a slice at ``--kill-at``; we time failure -> first step on the
-  survivors, and failure -> the failed step committed again. Baseline: what a restart-based job does
-  at that moment: a fresh process imports jax, restores the same state from an Orbax checkpoint onto
-  the survivors' mesh, compiles and runs its first step (Ray/job rescheduling time not even counted).
-* snapshot: one host snapshot of the training state (until complete, and the part that holds the loop)
-  vs one synchronous Orbax save of it, and vs a step.
+An elastic job trains a state of ``--mib`` MiB (8 leaves split over the 2 devices of a slice,
+replicated across 4 slices) with a snapshot every 5 steps. Once its standby executables are ready,
+slice 1 is killed as step ``--kill-at`` starts. Measured from the job's timeline:
+``resume_seconds`` (the kill -> the first step on the 3 surviving slices completed), and its phases:
+``detect`` (kill -> the slice-loss error caught), ``decide`` (-> a view without the slice),
+``restore`` (-> the newest snapshot placed on the survivors), ``first_step`` (-> committed).
+``compile_seconds_on_recovery_path`` sums the XLA compilations that finished inside that window.
+``restore_gbps``: bytes placed on the survivors' devices over the restore phase.
+
+Baseline: what a restart-based job pays at that moment, in a fresh process: import jax and orbax,
+restore the same state from an Orbax checkpoint onto the survivors' mesh, compile the step, run it
+(not even counting rescheduling the job). ``speedup`` = baseline / ours.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -28,118 +36,153 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from elastic import ElasticConfig, Faults, Policy, Trainer, optax_step  # noqa: E402
-from elastic.log import configure_logging  # noqa: E402
-from snapshot import SnapshotConfig, Snapshotter  # noqa: E402
+LEAVES, COLS, BATCH = 8, 1024, 48
 
-BATCH, IN = 48, 256
+COMPILES: list[tuple[float, float]] = []  # (wall time at the end, seconds)
+_lock = threading.Lock()
 
 
-def make_model(hidden: int):
+def _listen(name: str, secs: float, **kwargs: object) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+        with _lock:
+            COMPILES.append((time.time(), secs))
+
+
+def rows_for(mib: int) -> int:
+    return mib * 1024 * 1024 // 4 // LEAVES // COLS
+
+
+def init_fn(rows: int):
     def init(key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        return {"w1": jax.random.normal(k1, (IN, hidden)) * 0.05, "w2": jax.random.normal(k2, (hidden, hidden)) * 0.05,
-                "w3": jax.random.normal(k3, (hidden, 1)) * 0.05}
+        keys = jax.random.split(key, LEAVES)
+        return {f"w{i}": jax.random.normal(keys[i], (rows, COLS)) * 0.01 for i in range(LEAVES)}
 
-    def loss(params, data):
-        h = jnp.tanh(jnp.tanh(data["x"] @ params["w1"]) @ params["w2"])
-        return jnp.mean((h @ params["w3"] - data["y"]) ** 2)
-
-    return init, loss
+    return init
 
 
-def batch(step: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(step)
-    x = rng.normal(size=(BATCH, IN)).astype(np.float32)
-    return {"x": x, "y": np.sin(x[:, :1])}
+def train_step(state, x):
+    g = jnp.tanh(x).mean()
+    return {k: w * 0.999 + 0.001 * g for k, w in state.items()}
+
+
+def batch(step: int) -> np.ndarray:
+    return np.random.default_rng(step).normal(size=(BATCH, COLS)).astype(np.float32)
 
 
 BASELINE = textwrap.dedent("""
     import os, sys, time, json
     t0 = time.perf_counter()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"; os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
+    import jax, numpy as np, orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
-    from recovery import make_model, batch
+    sys.path.insert(0, {bench!r})
+    from recovery import train_step, batch, LEAVES, COLS
     t_import = time.perf_counter()
-    init, loss = make_model({hidden}); opt = optax.adam(1e-3)
-    mesh = Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("replica", "local"))
-    rep = NamedSharding(mesh, P())
-    abstract = jax.eval_shape(lambda k: {{"params": init(k), "opt_state": opt.init(init(k))}}, jax.random.key(0))
-    target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), abstract)
+    devices = [d for d in jax.devices() if d.id not in (2, 3)]  # slice 1 is gone
+    mesh = Mesh(np.array(devices).reshape(3, 2), ("replica", "local"))
+    target = {{f"w{{i}}": jax.ShapeDtypeStruct(({rows}, COLS), np.float32, sharding=NamedSharding(mesh, P("local")))
+              for i in range(LEAVES)}}
     state = ocp.StandardCheckpointer().restore({path!r}, target)
     jax.block_until_ready(state); t_restore = time.perf_counter()
-    def step(state, data):
-        l, g = jax.value_and_grad(loss)(state["params"], data)
-        u, o = opt.update(g, state["opt_state"], state["params"])
-        return {{"params": optax.apply_updates(state["params"], u), "opt_state": o}}, l
-    data = jax.device_put(batch({step}), NamedSharding(mesh, P(("replica", "local"))))
-    state, l = jax.jit(step)(state, data); jax.block_until_ready(l); t_step = time.perf_counter()
-    print(json.dumps({{"import_s": t_import - t0, "restore_s": t_restore - t_import, "first_step_s": t_step - t_restore}}))
+    x = jax.device_put(batch({step}), NamedSharding(mesh, P(("replica", "local"))))
+    state = jax.jit(train_step, donate_argnums=0)(state, x); jax.block_until_ready(state)
+    t_step = time.perf_counter()
+    print(json.dumps({{"import": t_import - t0, "restore": t_restore - t_import, "compile_and_step": t_step - t_restore}}))
 """)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kill-at", type=int, default=25)
-    parser.add_argument("--snapshot-every", type=int, default=10)
-    args = parser.parse_args()
-    configure_logging(40)
-    init, loss = make_model(args.hidden)
-    commits: dict[int, list[float]] = {}
-    cfg = ElasticConfig(job_name="bench", num_steps=args.steps, snapshot_every=args.snapshot_every,
-                        policy=Policy(min_slices=2))
-    trainer = Trainer(init_fn=init, step_fn=optax_step(loss, optax.adam(1e-3)), batch_fn=batch, config=cfg,
-                      faults=Faults().kill_slice(1, at_step=args.kill_at),
-                      on_step=lambda step, m, run: commits.setdefault(step, []).append(time.time()))
-    result = trainer.fit()
-    report = result.report
-    failure_t = next(e["t"] for e in report.timeline if e["event"] == "failure") + trainer.job.timeline.start
-    regain_s = commits[args.kill_at][-1] - failure_t
-    step_times = np.diff([commits[s][0] for s in range(2, args.kill_at)])
-    state = result.state
+def run_elastic(mib: int, kill_at: int, steps: int) -> tuple[dict, object, float]:
+    from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Tiers
 
-    # Snapshot cost: host snapshot vs a synchronous Orbax save of the same state, and vs a step.
-    snapper = Snapshotter(SnapshotConfig(), slice_of=lambda d: d.id // 2)
-    t = time.perf_counter(); snapper.save(0, state); host_block_s = time.perf_counter() - t
-    snapper.wait(); host_s = time.perf_counter() - t
+    rows = rows_for(mib)
+    cfg = ElasticConfig(job_name="bench-recovery", num_steps=steps, snapshot_every=5, keep_snapshots=2,
+                        policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0))
+    job = ElasticJob(cfg, init_fn=init_fn(rows), shardings_fn=lambda mesh: {f"w{i}": P("local") for i in range(LEAVES)},
+                     faults=Faults().kill_slice(1, at_step=kill_at))
+
+    def loop(run: Run):
+        state = run.state
+        step = run.jit(train_step, donate_argnums=0)
+        for s in run.steps:
+            state = step(state, run.shard_batch(batch(s)))
+            run.commit(state)
+            if s == kill_at - 1 and job.controller is not None:
+                job.controller.wait_for_standbys(300)  # the failure comes once standbys are ready
+        return state
+
+    with job:
+        result = job.run(loop)
+    return result.report.to_dict(), result.state, job.timeline.start
+
+
+def main() -> None:
+    from elastic.log import configure_logging
+
+    configure_logging(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    args = parser.parse_args()
+    jax.monitoring.register_event_duration_secs_listener(_listen)
+    report, state, job_start = run_elastic(args.mib, args.kill_at, args.steps)
+    t = {e["event"]: e["t"] for e in report["timeline"] if e["event"] in
+         ("inject_kill", "failure", "detected", "restored", "first_step")}
+    phases = {"detect": t["failure"] - t["inject_kill"], "decide": t["detected"] - t["failure"],
+              "restore": t["restored"] - t["detected"], "first_step": t["first_step"] - t["restored"]}
+    resume = t["first_step"] - t["inject_kill"]
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-    snapper.close()
+    placed = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state) for s in x.addressable_shards)
+    window = (job_start + t["inject_kill"], job_start + t["first_step"] + 0.002)
+    compile_s = sum(secs for end, secs in COMPILES if window[0] <= end <= window[1])
+
+    src = np.ones(state_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    memcpy = state_bytes / (time.perf_counter() - t0) / 1e9
+    del src, dst
+
+    import orbax.checkpoint as ocp
+
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
         ckptr = ocp.StandardCheckpointer()
-        t = time.perf_counter(); ckptr.save(path, state); ckptr.wait_until_finished(); orbax_s = time.perf_counter() - t
-        # Baseline recovery: a fresh process restores that checkpoint onto the 6 survivors and runs a step.
-        here = os.path.dirname(os.path.abspath(__file__))
-        code = BASELINE.format(root=os.path.dirname(here), bench=here, hidden=args.hidden, path=path, step=args.kill_at)
-        t = time.perf_counter()
+        ckptr.save(path, state)
+        ckptr.wait_until_finished()
+        del state
+        code = BASELINE.format(bench=os.path.dirname(os.path.abspath(__file__)), rows=rows_for(args.mib), path=path,
+                               step=args.kill_at)
+        t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-        baseline_s = time.perf_counter() - t
+        baseline = time.perf_counter() - t0
         parts = json.loads(out.stdout.strip().splitlines()[-1])
-    lost = args.kill_at - args.kill_at // args.snapshot_every * args.snapshot_every
-    elastic_s = report.recovery_seconds[0]
-    print(json.dumps({
-        "state_mb": round(state_bytes / 2**20, 1),
-        "median_step_s": round(float(np.median(step_times)), 4),
-        "elastic_recovery_to_first_step_s": elastic_s,
-        "elastic_recovery_to_regain_failed_step_s": round(regain_s, 3),
-        "baseline_restart_to_first_step_s": round(baseline_s, 3),
-        "baseline_parts_s": {k: round(v, 3) for k, v in parts.items()},
-        "baseline_over_elastic_recovery": round(baseline_s / elastic_s, 2),
-        "steps_lost_both": lost,
-        "host_snapshot_s": round(host_s, 4),  # until complete (2 copies, checksummed)
-        "host_snapshot_blocking_s": round(host_block_s, 5),  # what the training loop waits
-        "orbax_sync_save_s": round(orbax_s, 4),
-        "orbax_save_over_host_snapshot": round(orbax_s / host_s, 2),
-        "host_snapshot_over_step": round(host_s / float(np.median(step_times)), 3),
-        "steps_committed": report.steps_committed,
-    }))
+    result = {
+        "state_bytes": state_bytes,
+        "resume_seconds": round(resume, 3),
+        "baseline_resume_seconds": round(baseline, 3),
+        "speedup": round(baseline / resume, 2),
+        "compile_seconds_on_recovery_path": round(compile_s, 4),
+        "restore_gbps": round(placed / phases["restore"] / 1e9, 2),
+        "memcpy_gbps": round(memcpy, 2),
+        "phases": {k: round(v, 3) for k, v in phases.items()},
+        "baseline_phases": {k: round(v, 3) for k, v in parts.items()},
+        "restored_bytes_on_devices": placed,
+        "restore_tier": report["restores"][0]["tier"] if report["restores"] else None,
+        "standby_compiles": report["standby_compiles"],
+        "standby_compile_seconds": report["standby_compile_seconds"],
+        "steps_recomputed": report["steps_recomputed"],
+    }
+    result["checks"] = {
+        "speedup>=20": result["speedup"] >= 20,
+        "compile<=5%_of_resume": compile_s <= 0.05 * resume,
+        "restore_gbps>=memcpy_gbps/2": result["restore_gbps"] >= result["memcpy_gbps"] / 2,
+    }
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

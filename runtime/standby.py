@@ -45,8 +45,8 @@ class Signature:
                     return None  # placed elsewhere: not something a mesh change translates
                 out.append((tuple(x.shape), x.dtype, s.spec, bool(getattr(x, "weak_type", False))))
             elif isinstance(x, (bool, int, float)):
-                aval = jax.core.get_aval(x)
-                out.append(((), aval.dtype, None, True))
+                aval = jax.typeof(x)
+                out.append(((), aval.dtype, None, bool(getattr(aval, "weak_type", True))))
             else:
                 return None
         return cls(treedef, tuple(out))
@@ -93,8 +93,12 @@ class StandbyCompiler:
         """Note a call of ``fn`` (a ``jax.jit`` function) with ``args`` on ``mesh``."""
         if not hasattr(fn, "lower"):
             return
-        sig = Signature.of(args, mesh)
+        try:
+            sig = Signature.of(args, mesh)
+        except Exception:  # noqa: BLE001 - an optimisation must never fail a step
+            sig = None
         if sig is None:
+            self.stats.skipped += 1
             return
         with self._lock:
             self._calls.setdefault((id(fn), sig), (fn, sig))

@@ -229,16 +229,25 @@ class Snapshotter:
             piece = plan.pieces[j]
             copies: list[Copy] = []
             digest = 0
+            lost: BaseException | None = None
             for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
                 if self._guard is not None:
-                    self._guard([cp.dest])
-                if k == 0:  # one checksum per piece, taken from its first copy as it is written
+                    try:
+                        self._guard([cp.dest])
+                    except Exception as err:  # noqa: BLE001 - that slice is gone: the piece keeps its other copies
+                        lost = err
+                        log.warning("snapshot_copy_skipped", step=req.step, leaf=i, slice=cp.slice, error=str(err)[:120])
+                        continue
+                if not copies:  # one checksum per piece, taken from its first copy as it is written
                     made, digest = engine.write_checksummed(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
                 else:
                     made = engine.write(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
                 if made.buffer is not None:
                     buffers[(i, j, k)] = made.buffer
                 copies.append(made)
+            if not copies:
+                assert lost is not None
+                raise lost
             return PieceRecord(index=piece.index, checksum=digest, copies=tuple(copies))
 
         futures = {(i, j): self._pool.submit(one_piece, i, j) for i, plan in enumerate(req.plans) if plan

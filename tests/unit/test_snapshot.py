@@ -395,7 +395,9 @@ def test_tampered_meta_is_corrupt(make, held):
 
 
 class FailOnCall:
-    """A guard that raises the slice-loss error on its ``n``th call once armed (``n`` counts from 1)."""
+    """A guard that raises the slice-loss error from its ``n``th call on, once armed (``n`` counts from 1):
+    a slice lost mid-snapshot. Pieces with a copy written before still complete; pieces left with none
+    fail the save."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -405,12 +407,16 @@ class FailOnCall:
     def __call__(self, devices) -> None:
         with self._lock:
             self.calls += 1
-            if self.calls == self.n:
+            if self.n and self.calls >= self.n:
                 raise jax.errors.JaxRuntimeError("UNAVAILABLE: simulated slice lost mid-snapshot")
 
     def arm(self, n: int) -> None:
         with self._lock:
             self.calls, self.n = 0, n
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.n = 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -430,6 +436,7 @@ def test_failed_save_keeps_the_previous_generation(make, engine, nth):
     stats = snap.stats()
     assert (stats["snapshots_failed"], stats["snapshots_taken"], stats["snapshots_dropped"]) == (1, 1, 0)
     assert snap.steps == (1,)
+    guard.disarm()  # the slice is back
     restored = snap.load(shardings_on(MESH6_NO1))
     assert (restored.step, restored.meta) == (1, {"at": 1})
     assert_same(restored.state, expected)
@@ -450,7 +457,7 @@ def test_failed_save_leaves_nothing_writing_into_reused_buffers(make):
         me = threading.get_ident()
         if me == phase["stale"] and device.id == 3:
             stale_wrote.set()  # the failed save's copy of "b" is written
-        elif phase["now"] == "fail" and device.id == 0:
+        elif phase["now"] == "fail" and device.id in (0, 2):  # both copies of "a": the save fails
             raise jax.errors.JaxRuntimeError("UNAVAILABLE: simulated slice lost mid-snapshot")
         elif phase["now"] == "fail" and device.id == 1:
             phase["stale"] = me
@@ -617,3 +624,22 @@ def test_image_is_a_copy_and_corruption_is_detected(make):
     with pytest.raises(SnapshotCorruptError):
         restore_image(image, jax.tree.structure(state), shardings_on(MESH6))
     assert_same(snap.load(shardings_on(MESH6)).state, tree_bits(state))  # the held copy is untouched
+
+
+def test_a_slice_lost_mid_snapshot_leaves_a_usable_snapshot_on_the_survivors(make):
+    """The save in flight when slice 1 dies completes with the copies on the other slices (none is
+    written to slice 1), and it restores onto the survivors: a dead destination costs a copy, not the
+    snapshot."""
+    topo = runtime.simulated_topology(4, 2)
+    snap = make(guard=runtime.simulated.check_devices, keep=2)
+    saved(snap, 1, make_state(seed=1))
+    runtime.simulated.kill_slice(topo.slice(1))
+    state = make_state(seed=2)
+    snap.save(2, state, {"at": 2})
+    snap.wait()  # no failure
+    assert snap.steps == (1, 2)
+    newest = snap._generations[-1]  # noqa: SLF001
+    assert all(c.slice != 1 for leaf in newest.leaves for p in leaf.pieces for c in p.copies)
+    restored = snap.load(shardings_on(MESH6_NO1))
+    assert restored.step == 2
+    assert_same(restored.state, tree_bits(state))
