@@ -161,8 +161,10 @@ class Controller:
                             view=view)
         self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
         state = runtime.wait_ready(restored.state, devices)
-        self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step,
-                        extras=copy.deepcopy(restored.meta["extras"]))
+        extras = copy.deepcopy(restored.meta["extras"])
+        if restored.tier == "memory":  # that generation was consumed: its copies again, on the survivors
+            self._save(restored.step, state, extras)
+        self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step, extras=extras)
         return Ready()
 
     def _run_pass(self, machine: Machine) -> Event:

@@ -110,7 +110,8 @@ class TierSet:
         self._wait()
         held_in_memory = self._snapshots.latest is not None
         try:
-            return self._snapshots.load(shardings, available=set(devices))
+            # The survivors take their own copies over (no copy made); the controller snapshots again at once.
+            return self._snapshots.load(shardings, available=set(devices), adopt=True)
         except NoSnapshotError:
             pass
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:

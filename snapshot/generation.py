@@ -88,7 +88,8 @@ def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any
     raise SnapshotCorruptError(gen.step, leaf)
 
 
-def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine) -> jax.Array:
+def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine,
+                adopt: bool) -> jax.Array:
     data_sharding = sharding
     if engine.name == "device":
         arrays = []
@@ -104,17 +105,20 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
             arr = jax.make_array_from_single_device_arrays(rec.shape, data_sharding, arrays)
             return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
     pieces = [(index, engine.host_view(c)) for index, c in chosen.items()]
-    arr = place(rec.shape, np.dtype(rec.dtype), data_sharding, pieces)
+    owned = {(c.device.id, index): c.buffer for index, c in chosen.items() if adopt and c.buffer is not None}
+    arr = place(rec.shape, np.dtype(rec.dtype), data_sharding, pieces, owned)
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
 
 
 def restore_generation(gen: Generation, targets: list[Sharding | None], available: set[Any], engine: Engine,
-                       guard: Guard | None) -> Any:
+                       guard: Guard | None, *, adopt: bool = False) -> Any:
     """``gen``'s state on ``targets`` (one sharding per leaf), read from copies on ``available`` devices only.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no copy there, and
     :class:`SnapshotCorruptError` when the controller state or every readable copy of a piece fails its
-    checksum. Each device receives fresh buffers: the restored state never aliases the snapshot.
+    checksum. Each device receives fresh buffers (the restored state never aliases the snapshot), except
+    with ``adopt``: a device that holds a verified copy of exactly its shard takes that buffer over, and
+    the generation must not be used again.
     """
     if meta_checksum(gen.meta) != gen.meta_checksum:
         raise SnapshotCorruptError(gen.step, -1)
@@ -127,7 +131,7 @@ def restore_generation(gen: Generation, targets: list[Sharding | None], availabl
         if not rec.is_array:
             placed.append(copylib.deepcopy(rec.value))
             continue
-        placed.append(_place_leaf(rec, chosen, sharding, engine))
+        placed.append(_place_leaf(rec, chosen, sharding, engine, adopt))
     return jax.tree_util.tree_unflatten(gen.treedef, placed)
 
 

@@ -131,10 +131,11 @@ def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) ->
 _POOL: ThreadPoolExecutor | None = None
 
 
-def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding,
-          pieces: list[tuple[Index, np.ndarray]]) -> jax.Array:
+def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]],
+          adopt: dict[tuple[int, Index], np.ndarray] | None = None) -> jax.Array:
     """An array of ``shape`` on ``sharding`` whose every device shard is a fresh buffer assembled from
-    ``pieces`` (on 2 threads: copies release the GIL); on CPU jax adopts each aligned buffer as is."""
+    ``pieces`` (on 2 threads: copies release the GIL); on CPU jax adopts each aligned buffer as is.
+    ``adopt`` maps (device id, region) to a buffer that device may take over as its shard, uncopied."""
     import jax
 
     global _POOL
@@ -142,7 +143,13 @@ def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding,
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="snapshot-restore")
     where = sharding.addressable_devices_indices_map(shape)
     devices = list(where)
-    buffers = list(_POOL.map(lambda d: assemble(region(where[d], shape), pieces, dtype), devices))
+    adopt = dict(adopt or {})
+
+    def shard_of(d: Any) -> np.ndarray:
+        own = adopt.pop((d.id, region(where[d], shape)), None)
+        return own if own is not None else assemble(region(where[d], shape), pieces, dtype)
+
+    buffers = list(_POOL.map(shard_of, devices))
     arrays = [jax.device_put(b, d) for b, d in zip(buffers, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 

@@ -310,11 +310,14 @@ class Snapshotter:
         with self._cv:
             return tuple(g.step for g in self._generations)
 
-    def load(self, target: Any, *, available: Any = None) -> Restored:
+    def load(self, target: Any, *, available: Any = None, adopt: bool = False) -> Restored:
         """The newest intact generation placed on ``target`` (shardings, or an abstract state whose leaves
         carry ``.sharding``), read only from copies on ``available`` devices (default: the target's).
 
-        A corrupt generation is skipped (logged, dropped) and an older one used.
+        A corrupt generation is skipped (logged, dropped) and an older one used. With ``adopt`` (host
+        engine), a device holding a copy of exactly its shard takes that buffer over instead of a copy
+        being made; the generation is then consumed (dropped, its buffers never reused): take a new
+        snapshot soon after.
         """
         with self._cv:  # a copy in flight may reuse an evicted generation's buffers: let it finish
             self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
@@ -335,7 +338,8 @@ class Snapshotter:
         failure: Exception | None = None
         for gen in generations:
             try:
-                state = restore_generation(gen, targets, available, engine, self._guard)
+                state = restore_generation(gen, targets, available, engine, self._guard,
+                                           adopt=adopt and engine.name == "host")
             except SnapshotCorruptError as err:
                 log.warning("snapshot_corrupt", step=gen.step, generation=gen.number, leaf=err.leaf)
                 with self._cv:
@@ -345,6 +349,10 @@ class Snapshotter:
             except SnapshotUnavailableError as err:
                 failure = err
                 continue
+            if adopt and engine.name == "host":
+                with self._cv:  # its buffers now belong to the restored state
+                    self._generations = [g for g in self._generations if g is not gen]
+                    self._slots.pop(gen.slot, None)
             return Restored(step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta))
         assert failure is not None
         raise failure
