@@ -22,7 +22,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python benchmarks/snapshot.py --json
-	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/recovery.py --json
+	$(BIN)/python benchmarks/goodput.py --json
+	$(BIN)/python benchmarks/supervisor_scale.py --slices 1024 --json
 
 clean:
 	rm -rf $(VENV) *.egg-info

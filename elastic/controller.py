@@ -72,6 +72,7 @@ class Controller:
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
         self._standby.warm(lambda: runtime.warm_probes(topology.slices))
         self._prepared_for: int | None = None  # the epoch standbys were last prepared for
+        self._resnapshot = False  # snapshot at the next commit whatever the policy says
 
     # -- the driver ----------------------------------------------------------------------------
     def run(self, loop: Callable[[Run], Any]) -> JobResult:
@@ -158,12 +159,13 @@ class Controller:
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
             return Ready()
         self._acct.restored(restored.meta, step=restored.step, tier=restored.tier, generation=restored.generation,
-                            view=view)
+                            view=view, waited_s=round(self._tiers.last_wait_seconds, 3))
         self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
         state = runtime.wait_ready(restored.state, devices)
         extras = copy.deepcopy(restored.meta["extras"])
-        if restored.tier == "memory":  # that generation was consumed: its copies again, on the survivors
-            self._save(restored.step, state, extras)
+        # The memory tier's generation was consumed: the first commit on this mesh snapshots again, so every
+        # piece regains its copies on the survivors without holding up the first step.
+        self._resnapshot = restored.tier == "memory"
         self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step, extras=extras)
         return Ready()
 
@@ -210,7 +212,8 @@ class Controller:
         if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
             self._prepared_for = run.epoch
             self._standby.prepare(self._next_meshes(run.view))
-        if self._policy.due(step + 1):
+        if self._policy.due(step + 1) or self._resnapshot:
+            self._resnapshot = False
             self._save(step + 1, state, run.extras)
             run.saved_at = step + 1
         if self._on_step is not None:

@@ -11,6 +11,7 @@ A restore tries them in that order and says which one it used.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class TierSet:
         self._keepers: Any = None
         self._persistent: Any = None
         self._completed_count = 0
+        self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.tiers", job=config.job_name)
 
     def start(self) -> None:
@@ -107,7 +109,9 @@ class TierSet:
 
         In memory first (survivors' copies only), then the keepers, then the persistent tier.
         """
-        self._wait()
+        t0 = time.perf_counter()
+        self._wait()  # a snapshot in flight is newer than any complete one: it bounds the loss
+        self.last_wait_seconds = time.perf_counter() - t0
         held_in_memory = self._snapshots.latest is not None
         try:
             # The survivors take their own copies over (no copy made); the controller snapshots again at once.
