@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time

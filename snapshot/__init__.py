@@ -19,8 +19,8 @@ __all__ = (
 )
 
 _WHERE = {
-    "HostImage": "image", "restore_image": "image", "Restored": "snapshotter", "SnapshotConfig": "snapshotter",
-    "SnapshotInfo": "snapshotter", "Snapshotter": "snapshotter",
+    "HostImage": "image", "restore_image": "image", "Restored": "config", "SnapshotConfig": "config",
+    "SnapshotInfo": "config", "Snapshotter": "snapshotter",
     **{name: "errors" for name in ("NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError",
                                    "SnapshotFailedError", "SnapshotStructureError", "SnapshotUnavailableError")},
 }

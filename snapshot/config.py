@@ -1,0 +1,48 @@
+"""What a snapshotter is told (its configuration) and what it answers (snapshot info, a restore)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from snapshot.errors import SnapshotConfigError
+
+__all__ = ["Restored", "SnapshotConfig", "SnapshotInfo"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """``keep`` complete generations; every byte on ``copies`` distinct slices (survives ``copies - 1``
+    slice losses); ``on_busy`` says what a save does while an earlier one still waits to be copied."""
+
+    keep: int = 2
+    copies: int = 2
+    on_busy: Literal["coalesce", "wait"] = "coalesce"
+    engine: Literal["auto", "host", "device"] = "auto"
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("keep", "copies", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SnapshotConfigError(f"{name} must be an integer of at least 1, got {value!r}")
+        if self.on_busy not in ("coalesce", "wait"):
+            raise SnapshotConfigError(f"on_busy must be 'coalesce' or 'wait', got {self.on_busy!r}")
+        if self.engine not in ("auto", "host", "device"):
+            raise SnapshotConfigError(f"engine must be 'auto', 'host' or 'device', got {self.engine!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    step: int
+    generation: int
+    state_bytes: int
+    copies: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    step: int
+    generation: int
+    state: Any
+    meta: dict[str, Any]
+    tier: str = "memory"
