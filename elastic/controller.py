@@ -72,7 +72,6 @@ class Controller:
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
         self._standby.warm(lambda: runtime.warm_probes(topology.slices))
         self._prepared_for: int | None = None  # the epoch standbys were last prepared for
-        self._resnapshot = False  # snapshot at the next commit whatever the policy says
 
     # -- the driver ----------------------------------------------------------------------------
     def run(self, loop: Callable[[Run], Any]) -> JobResult:
@@ -163,9 +162,10 @@ class Controller:
         self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
         state = runtime.wait_ready(restored.state, devices)
         extras = copy.deepcopy(restored.meta["extras"])
-        # The memory tier's generation was consumed: the first commit on this mesh snapshots again, so every
-        # piece regains its copies on the survivors without holding up the first step.
-        self._resnapshot = restored.tier == "memory"
+        if restored.tier == "memory":
+            # That generation was consumed (the survivors took its buffers over): snapshot the restored state
+            # again at once, so nothing saved is lost and every piece regains its copies on the survivors.
+            self._save(restored.step, state, extras)
         self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step, extras=extras)
         return Ready()
 
@@ -212,8 +212,7 @@ class Controller:
         if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
             self._prepared_for = run.epoch
             self._standby.prepare(self._next_meshes(run.view))
-        if self._policy.due(step + 1) or self._resnapshot:
-            self._resnapshot = False
+        if self._policy.due(step + 1):
             self._save(step + 1, state, run.extras)
             run.saved_at = step + 1
         if self._on_step is not None:
