@@ -46,14 +46,13 @@ class Accounting:
         self.report.min_slices_seen = min(self.report.min_slices_seen, len(view.active))
 
     # -- failures and recoveries ---------------------------------------------------------------
-    def failure(self, cause: str) -> int:
-        """A slice-loss error was caught; the number of them in a row."""
+    def failure(self, cause: str) -> None:
+        """A slice-loss error was caught (counted in ``failures_in_a_row``)."""
         self.failures_in_a_row += 1
         failed_step = self.ledger.steps[-1] + 1 if self.ledger.steps else 0
         self._failed_step = max(self._failed_step, failed_step)
         self._failure_at = self._failure_at or time.time()
         self.timeline.add("failure", error=cause.splitlines()[0][:160])
-        return self.failures_in_a_row
 
     def restored(self, meta: dict[str, Any], *, step: int, tier: str, generation: int, view: View,
                  waited_s: float = 0.0) -> None:
@@ -69,7 +68,7 @@ class Accounting:
         """Nothing saved anywhere: commits so far (if any) will be redone from step 0."""
         self.ledger.rollback({"runs": []})
 
-    def regrouped(self, old: View, new: View, next_step: int) -> None:
+    def regrouped(self, old: View, new: View) -> None:
         grew = len(new.active) > len(old.active)
         self.report.grows += grew
         self.timeline.add("grow" if grew else "shrink", epoch=new.epoch, slices=len(new.active), reason=new.reason)

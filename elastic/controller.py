@@ -105,9 +105,9 @@ class Controller:
             self._live = None  # whatever was live may sit on lost devices: restore from a snapshot
             return Failed(f"{type(err).__name__}: {err}")
         if isinstance(action, NoteFailure):
-            attempt = self._acct.failure(action.cause)
+            self._acct.failure(action.cause)
             self._recovering = True
-            return Noted(self._watcher.view, attempt)
+            return Noted(self._watcher.view)
         if isinstance(action, Probe):
             return self._probe(action)
         if isinstance(action, AwaitView):
@@ -174,7 +174,7 @@ class Controller:
         try:
             self._value = self._loop(self._run)
         except Regroup as regroup:
-            self._acct.regrouped(machine.view, regroup.view, self._run.start_step)
+            self._acct.regrouped(machine.view, regroup.view)
             self._live = regroup.live
             return Boundary(regroup.view)
         steps = self._acct.ledger.steps
@@ -214,7 +214,6 @@ class Controller:
             self._standby.prepare(self._next_meshes(run.view))
         if self._policy.due(step + 1):
             self._save(step + 1, state, run.extras)
-            run.saved_at = step + 1
         if self._on_step is not None:
             self._on_step(step, metrics, run)
 
@@ -225,7 +224,7 @@ class Controller:
             return None
         if view.gave_up is not None:
             return Regroup(view, None)
-        if run.saved_at != next_step:
+        if not self._policy.due(next_step):  # committed() has not saved this boundary already
             self._save(next_step, run.state, run.extras)  # the snapshot boundary: nothing is lost
         return Regroup(view, LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)))
 

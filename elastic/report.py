@@ -35,7 +35,7 @@ class Ledger:
                 runs[-1][2] += 1
             else:
                 runs.append([step, batch, 1])
-        return {"runs": runs, "executed": self.executed}
+        return {"runs": runs}
 
     @staticmethod
     def expand(meta: dict[str, Any]) -> tuple[list[int], list[int]]:

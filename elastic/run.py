@@ -72,7 +72,6 @@ class Run:
         self._devices = tuple(mesh.devices.flat)
         self._pending: int | None = None
         self._steps_started = False
-        self.saved_at: int | None = None  # the step the newest snapshot of this pass resumes at
 
     @property
     def epoch(self) -> int:

@@ -79,7 +79,6 @@ class Failed:
 @dataclass(frozen=True)
 class Noted:
     latest: View  # the newest view the client holds
-    attempt: int  # slice-loss errors in a row, since a step past the failed one committed
 
 
 @dataclass(frozen=True)

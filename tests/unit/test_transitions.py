@@ -33,10 +33,10 @@ TABLE = [
     ("fail-restoring", S.RESTORING, V4, Failed("x"), S.FAILED, V4, NoteFailure("x")),
     ("fail-resharding", S.RESHARDING, V3, Failed("x"), S.FAILED, V3, NoteFailure("x")),
     ("fail-growing", S.GROWING, V4_BACK, Failed("x"), S.FAILED, V4_BACK, NoteFailure("x")),
-    ("noted-probe", S.FAILED, V4, Noted(V4, attempt=1), S.PROBING, V4, Probe(V4.active)),
-    ("noted-supervisor-knows", S.FAILED, V4, Noted(V3, attempt=1), S.RESTORING, V3, Prepare(V3, live=False)),
-    ("noted-newer-but-bigger", S.FAILED, V3, Noted(V4_BACK, attempt=1), S.PROBING, V3, Probe(V3.active)),
-    ("noted-gave-up", S.FAILED, V4, Noted(GAVE_UP, attempt=1), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
+    ("noted-probe", S.FAILED, V4, Noted(V4), S.PROBING, V4, Probe(V4.active)),
+    ("noted-supervisor-knows", S.FAILED, V4, Noted(V3), S.RESTORING, V3, Prepare(V3, live=False)),
+    ("noted-newer-but-bigger", S.FAILED, V3, Noted(V4_BACK), S.PROBING, V3, Probe(V3.active)),
+    ("noted-gave-up", S.FAILED, V4, Noted(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
     ("probed-dead", S.PROBING, V4, Probed(DEAD, attempt=1), S.AWAITING_VIEW, V4, AwaitView(DEAD, 1)),
     ("probed-none-retry", S.PROBING, V4, Probed(frozenset(), attempt=3), S.RESTORING, V4, Prepare(V4, live=False)),
     ("probed-none-exhausted", S.PROBING, V4, Probed(frozenset(), attempt=4), S.GAVE_UP, V4,
@@ -57,7 +57,7 @@ def test_transition(state, view, event, next_state, next_view, action):
 IMPOSSIBLE = [
     (S.RUNNING, Started(V4)), (S.RUNNING, Ready()), (S.FINISHED, Failed("x")), (S.GAVE_UP, Ready()),
     (S.PROBING, ViewSeen(V3)), (S.AWAITING_VIEW, Probed(DEAD, 1)), (S.RESTORING, LoopReturned(True)),
-    (S.RESTORING, Boundary(V3)), (S.FAILED, Probed(DEAD, 1)), (S.RUNNING, Noted(V3, 1)),
+    (S.RESTORING, Boundary(V3)), (S.FAILED, Probed(DEAD, 1)), (S.RUNNING, Noted(V3)),
 ]
 
 
