@@ -9,8 +9,11 @@ slice 1 is killed as step ``--kill-at`` starts. Measured from the job's timeline
 ``detect`` (kill -> the slice-loss error caught), ``decide`` (-> a view without the slice),
 ``restore`` (-> the newest snapshot placed on the survivors), ``first_step`` (-> committed).
 ``compile_seconds_on_recovery_path`` sums the XLA compilations that finished inside that window.
-``restore_gbps``: bytes placed on the survivors' devices over the restore phase (less the time it waits
-for a snapshot still in flight, which is reported apart).
+``restore_gbps``: bytes placed on the survivors' devices over the restore phase (less any time it waits
+for a snapshot still in flight, which is reported apart). ``restore_source`` says where they came from:
+``staged`` (the snapshot of step 10 was still being copied: its staged shards were taken, a survivor's
+own shard kept in place, counted in ``shards_kept_in_place``, the others copied) or ``copies`` (the
+host copies of a complete snapshot, all copied). ``copy_gbps`` is the rate of the bytes actually copied.
 
 Baseline: what a restart-based job pays at that moment, in a fresh process: import jax and orbax,
 restore the same state from an Orbax checkpoint onto the survivors' mesh, compile the step, run it
@@ -132,12 +135,15 @@ def main() -> None:
     report, state, job_start = run_elastic(args.mib, args.kill_at, args.steps)
     t = {e["event"]: e["t"] for e in report["timeline"] if e["event"] in
          ("inject_kill", "failure", "detected", "restored", "first_step")}
-    waited = next(e.get("waited_for_snapshot_s", 0.0) for e in report["timeline"] if e["event"] == "restored")
+    restored = next(e for e in report["timeline"] if e["event"] == "restored")
+    waited = restored.get("waited_for_snapshot_s", 0.0)
     phases = {"detect": t["failure"] - t["inject_kill"], "decide": t["detected"] - t["failure"],
               "restore": t["restored"] - t["detected"], "first_step": t["first_step"] - t["restored"]}
     resume = t["first_step"] - t["inject_kill"]
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
     placed = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state) for s in x.addressable_shards)
+    shard_bytes = placed // sum(len(x.addressable_shards) for x in jax.tree_util.tree_leaves(state))
+    copied = placed - restored.get("shards_kept", 0) * shard_bytes
     window = (job_start + t["inject_kill"], job_start + t["first_step"] + 0.002)
     compile_s = sum(secs for end, secs in COMPILES if window[0] <= end <= window[1])
 
@@ -171,6 +177,9 @@ def main() -> None:
         "compile_seconds_on_recovery_path": round(compile_s, 4),
         "restore_gbps": round(placed / (phases["restore"] - waited) / 1e9, 2),
         "restore_waited_for_snapshot_in_flight_seconds": waited,
+        "restore_source": restored.get("source"),
+        "shards_kept_in_place": restored.get("shards_kept", 0),
+        "copy_gbps": round(copied / (phases["restore"] - waited) / 1e9, 2),
         "memcpy_gbps": round(memcpy, 2),
         "phases": {k: round(v, 3) for k, v in phases.items()},
         "baseline_phases": {k: round(v, 3) for k, v in parts.items()},

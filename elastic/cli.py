@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 __all__ = ["main"]
 
@@ -18,7 +19,17 @@ def _force_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
 
 
+def _stdout_for_result() -> TextIO:
+    """A stream on the real stdout, which from now on holds the result only: anything else written to file
+    descriptor 1 (Ray's messages, child processes) goes to stderr."""
+    sys.stdout.flush()
+    result = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return result
+
+
 def _demo(args: argparse.Namespace) -> int:
+    result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _force_cpu_devices(args.slices * args.devices_per_slice)
     from elastic.cluster import connect
@@ -39,10 +50,10 @@ def _demo(args: argparse.Namespace) -> int:
         out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
     print_timeline(out["timeline"], sys.stderr)
     if args.json:
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=result, flush=True)
     else:
         summary = {k: v for k, v in out.items() if k != "timeline"}
-        print(json.dumps(summary, indent=2), flush=True)
+        print(json.dumps(summary, indent=2), file=result, flush=True)
     return 0
 
 

@@ -67,6 +67,8 @@ class Controller:
         self._live: LiveState | None = None
         self._run: Run | None = None
         self._recovering = False
+        self._snapshot_soon = False
+        self._saved_for: int | None = None  # the step the newest snapshot request resumes at
         self._result: JobResult | None = None
         self._value: Any = None
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
@@ -102,7 +104,9 @@ class Controller:
         except Exception as err:  # noqa: BLE001 - only slice loss is recovered; the rest ends the job
             if not runtime.is_slice_loss(err):
                 raise
-            self._live = None  # whatever was live may sit on lost devices: restore from a snapshot
+            # Whatever was live may sit on lost devices: restore from a snapshot. Drop it now, so that the
+            # restore reuses its memory instead of allocating the state a second time.
+            self._live = self._run = None
             return Failed(f"{type(err).__name__}: {err}")
         if isinstance(action, NoteFailure):
             self._acct.failure(action.cause)
@@ -157,15 +161,15 @@ class Controller:
             self._save(0, state, {})
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
             return Ready()
+        state = runtime.wait_ready(restored.state, devices)  # the copies onto the devices have landed
         self._acct.restored(restored.meta, step=restored.step, tier=restored.tier, generation=restored.generation,
-                            view=view, waited_s=round(self._tiers.last_wait_seconds, 3))
+                            view=view, waited_s=round(self._tiers.last_wait_seconds, 3), source=restored.source,
+                            shards_kept=restored.shards_kept)
         self._log.info("restored", step=restored.step, tier=restored.tier, epoch=view.epoch, slices=sorted(view.active))
-        state = runtime.wait_ready(restored.state, devices)
         extras = copy.deepcopy(restored.meta["extras"])
-        if restored.tier == "memory":
-            # That generation was consumed (the survivors took its buffers over): snapshot the restored state
-            # again at once, so nothing saved is lost and every piece regains its copies on the survivors.
-            self._save(restored.step, state, extras)
+        # The restored generation lost its copies on the dead slices: snapshot again at the first commit
+        # (after the first step, off its path), so every piece regains its copies on the survivors.
+        self._snapshot_soon = True
         self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step, extras=extras)
         return Ready()
 
@@ -212,7 +216,8 @@ class Controller:
         if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
             self._prepared_for = run.epoch
             self._standby.prepare(self._next_meshes(run.view))
-        if self._policy.due(step + 1):
+        if self._policy.due(step + 1) or self._snapshot_soon:
+            self._snapshot_soon = False
             self._save(step + 1, state, run.extras)
         if self._on_step is not None:
             self._on_step(step, metrics, run)
@@ -224,7 +229,7 @@ class Controller:
             return None
         if view.gave_up is not None:
             return Regroup(view, None)
-        if not self._policy.due(next_step):  # committed() has not saved this boundary already
+        if self._saved_for != next_step:  # committed() has not saved this boundary already
             self._save(next_step, run.state, run.extras)  # the snapshot boundary: nothing is lost
         return Regroup(view, LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)))
 
@@ -238,4 +243,5 @@ class Controller:
         return [runtime.build_mesh(self._topology.select(s), self._mesh_fn) for s in sets]
 
     def _save(self, next_step: int, state: Any, extras: dict[str, Any]) -> None:
+        self._saved_for = next_step
         self._tiers.save(next_step, state, self._acct.meta(copy.deepcopy(extras), self.seed))

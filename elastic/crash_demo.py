@@ -57,12 +57,13 @@ def run_client_crash(spec: DemoSpec, *, kill_at: int, verify: bool = False, prog
            "JAX_PLATFORMS": "cpu"}
     with tempfile.TemporaryDirectory(prefix="elastic-crash-demo-") as tmp:
         first = subprocess.run(_client_cmd(spec, os.path.join(tmp, "first.json"), kill_at=kill_at, progress=progress),
-                               env=env, stdin=subprocess.DEVNULL, timeout=CLIENT_TIMEOUT_S)
+                               env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=CLIENT_TIMEOUT_S)
         if first.returncode != -signal.SIGKILL:
             raise ElasticError(f"the first client should have been SIGKILLed, it exited with {first.returncode}")
         out_path = os.path.join(tmp, "second.json")
+        # The clients' stdout (Ray's messages among it) goes to stderr: stdout holds this command's result only.
         second = subprocess.run(_client_cmd(spec, out_path, kill_at=None, progress=progress), env=env,
-                                stdin=subprocess.DEVNULL, timeout=CLIENT_TIMEOUT_S)
+                                stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=CLIENT_TIMEOUT_S)
         if second.returncode != 0:
             raise ElasticError(f"the second client failed with exit code {second.returncode}")
         with open(out_path, encoding="utf-8") as f:

@@ -11,7 +11,6 @@ A restore tries them in that order and says which one it used.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -109,17 +108,16 @@ class TierSet:
 
         In memory first (survivors' copies only), then the keepers, then the persistent tier.
         """
-        t0 = time.perf_counter()
-        self._wait()  # a snapshot in flight is newer than any complete one: it bounds the loss
-        self.last_wait_seconds = time.perf_counter() - t0
-        held_in_memory = self._snapshots.latest is not None
         try:
-            # The survivors take their own copies over (no copy made); the controller snapshots again at once.
-            return self._snapshots.load(shardings, available=set(devices), adopt=True)
+            # A snapshot still in flight is the newest: restored from its staged shards, or waited for.
+            return self._snapshots.load(shardings, available=set(devices))
         except NoSnapshotError:
             pass
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:
             self._log.warning("memory_tier_unusable", epoch=epoch, error=str(err)[:300])
+        finally:
+            self.last_wait_seconds = self._snapshots.stats()["last_load_wait_seconds"]
+        held_in_memory = self._snapshots.latest is not None
         if self._keepers is not None:
             image = self._keepers.latest(timeout=WAIT_S)
             if image is not None:

@@ -46,3 +46,5 @@ class Restored:
     state: Any
     meta: dict[str, Any]
     tier: str = "memory"
+    source: str = "copies"  # "staged": a snapshot still in flight, taken from the shards it staged
+    shards_kept: int = 0  # device shards restored in place (nothing moved)

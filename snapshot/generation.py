@@ -21,7 +21,7 @@ from snapshot.engine import Copy, Engine
 from snapshot.errors import SnapshotCorruptError, SnapshotUnavailableError
 from snapshot.image import HostImage, Index, LeafImage, Piece, checksum, meta_checksum, place, region, wrap_keys
 
-__all__ = ["Generation", "LeafRecord", "PieceRecord", "Guard", "restore_generation", "to_image"]
+__all__ = ["Generation", "LeafRecord", "PieceRecord", "Guard", "reachable", "restore_generation", "to_image"]
 
 log = structlog.get_logger("snapshot")
 
@@ -88,13 +88,11 @@ def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any
     raise SnapshotCorruptError(gen.step, leaf)
 
 
-def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine,
-                adopt: bool) -> jax.Array:
-    data_sharding = sharding
+def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine) -> jax.Array:
     if engine.name == "device":
         arrays = []
         exact = True
-        for device, idx in data_sharding.addressable_devices_indices_map(rec.shape).items():
+        for device, idx in sharding.addressable_devices_indices_map(rec.shape).items():
             src = chosen.get(region(idx, rec.shape))
             if src is None:
                 exact = False
@@ -102,23 +100,20 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
             local = jax.device_put(src.array, SingleDeviceSharding(src.device, memory_kind="device"))
             arrays.append(jax.device_put(local, SingleDeviceSharding(device)))  # device to device
         if exact:
-            arr = jax.make_array_from_single_device_arrays(rec.shape, data_sharding, arrays)
+            arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, arrays)
             return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
-    pieces = [(index, engine.host_view(c)) for index, c in chosen.items()]
-    owned = {(c.device.id, index): c.buffer for index, c in chosen.items() if adopt and c.buffer is not None}
-    arr = place(rec.shape, np.dtype(rec.dtype), data_sharding, pieces, owned)
+    arr = place(rec.shape, np.dtype(rec.dtype), sharding, [(index, engine.host_view(c)) for index, c in chosen.items()])
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
 
 
 def restore_generation(gen: Generation, targets: list[Sharding | None], available: set[Any], engine: Engine,
-                       guard: Guard | None, *, adopt: bool = False) -> Any:
+                       guard: Guard | None) -> Any:
     """``gen``'s state on ``targets`` (one sharding per leaf), read from copies on ``available`` devices only.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no copy there, and
     :class:`SnapshotCorruptError` when the controller state or every readable copy of a piece fails its
-    checksum. Each device receives fresh buffers (the restored state never aliases the snapshot), except
-    with ``adopt``: a device that holds a verified copy of exactly its shard takes that buffer over, and
-    the generation must not be used again.
+    checksum. Each device receives a fresh buffer the runtime owns: the restored state never aliases the
+    snapshot, and the generation stays restorable.
     """
     if meta_checksum(gen.meta) != gen.meta_checksum:
         raise SnapshotCorruptError(gen.step, -1)
@@ -128,11 +123,18 @@ def restore_generation(gen: Generation, targets: list[Sharding | None], availabl
                               if rec.is_array else {})
     placed = []
     for rec, chosen, sharding in zip(gen.leaves, chosen_by_leaf, targets, strict=True):
-        if not rec.is_array:
-            placed.append(copylib.deepcopy(rec.value))
-            continue
-        placed.append(_place_leaf(rec, chosen, sharding, engine, adopt))
+        placed.append(copylib.deepcopy(rec.value) if not rec.is_array else _place_leaf(rec, chosen, sharding, engine))
     return jax.tree_util.tree_unflatten(gen.treedef, placed)
+
+
+def reachable(guard: Guard | None, device: Any) -> bool:
+    if guard is None:
+        return True
+    try:
+        guard([device])
+    except Exception:  # noqa: BLE001 - the guard's error is the backend's slice-loss error
+        return False
+    return True
 
 
 def to_image(gen: Generation, engine: Engine, available: set[Any]) -> HostImage:

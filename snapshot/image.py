@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors h
     import jax
     from jax.sharding import Sharding
 
-__all__ = ["Index", "aligned_empty", "place", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
+__all__ = ["Index", "aligned_empty", "fresh_shards", "owned_copy", "place", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
            "wrap_keys"]
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the stored array
@@ -104,15 +104,14 @@ def _overlap(a: Index, b: Index) -> Index | None:
 
 
 def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) -> np.ndarray:
-    """A fresh array holding region ``want``, copied from the pieces that overlap it.
+    """Region ``want`` as one array: the piece itself where one matches it exactly, else a fresh array
+    copied from the pieces that overlap it.
 
     Raises :class:`SnapshotStructureError` if the pieces do not cover ``want``.
     """
     for index, data in pieces:
-        if index == want:  # a fresh buffer: the restored array must not alias a snapshot
-            out = aligned_empty(data.shape, data.dtype)
-            np.copyto(out, data)
-            return out
+        if index == want:
+            return data
     out = aligned_empty(tuple(hi - lo for lo, hi in want), np.dtype(dtype))
     covered = np.zeros(out.shape, dtype=bool)
     for index, data in pieces:
@@ -131,26 +130,34 @@ def assemble(want: Index, pieces: list[tuple[Index, np.ndarray]], dtype: Any) ->
 _POOL: ThreadPoolExecutor | None = None
 
 
-def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]],
-          adopt: dict[tuple[int, Index], np.ndarray] | None = None) -> jax.Array:
-    """An array of ``shape`` on ``sharding`` whose every device shard is a fresh buffer assembled from
-    ``pieces`` (on 2 threads: copies release the GIL); on CPU jax adopts each aligned buffer as is.
-    ``adopt`` maps (device id, region) to a buffer that device may take over as its shard, uncopied."""
+def owned_copy(data: np.ndarray, device: Any) -> jax.Array:
+    """``data`` copied into a buffer the runtime owns on ``device``.
+
+    Never aliases ``data``, and, unlike an array adopted from numpy, the buffer can be donated: the first
+    step after a restore then updates it in place instead of copying the whole state again. The numpy
+    bytes are wrapped without a copy first (aligned data on CPU), so the one copy is the runtime's.
+    """
     import jax
 
+    return jax.device_put(jax.device_put(data, device), device, may_alias=False)
+
+
+def fresh_shards(wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.ndarray]], dtype: np.dtype) -> list[jax.Array]:
+    """For each (region, device) in ``wants``: a fresh, runtime-owned buffer on that device holding that
+    region of ``pieces`` (assembled where needed), made on 2 threads (the copies release the GIL)."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="snapshot-restore")
+    return list(_POOL.map(lambda want: owned_copy(assemble(want[0], pieces, dtype), want[1]), wants))
+
+
+def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]]) -> jax.Array:
+    """An array of ``shape`` on ``sharding`` whose every device shard is a fresh, runtime-owned buffer
+    holding its region of ``pieces``."""
+    import jax
+
     where = sharding.addressable_devices_indices_map(shape)
-    devices = list(where)
-    adopt = dict(adopt or {})
-
-    def shard_of(d: Any) -> np.ndarray:
-        own = adopt.pop((d.id, region(where[d], shape)), None)
-        return own if own is not None else assemble(region(where[d], shape), pieces, dtype)
-
-    buffers = list(_POOL.map(shard_of, devices))
-    arrays = [jax.device_put(b, d) for b, d in zip(buffers, devices, strict=True)]
+    arrays = fresh_shards([(region(idx, shape), d) for d, idx in where.items()], pieces, dtype)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -30,25 +29,18 @@ from snapshot.config import Restored, SnapshotConfig, SnapshotInfo
 from snapshot.engine import Copy, Engine, pick_engine
 from snapshot.errors import (NoSnapshotError, SnapshotConfigError, SnapshotCorruptError, SnapshotFailedError,
                              SnapshotStructureError, SnapshotUnavailableError)
-from snapshot.generation import Generation, Guard, LeafRecord, PieceRecord, restore_generation, to_image
-from snapshot.image import HostImage, meta_checksum
+from snapshot.generation import Generation, Guard, PieceRecord, reachable, restore_generation, to_image
+from snapshot.image import HostImage
 from snapshot.plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
+from snapshot.staged import StagedRequest, restore_staged
 
 __all__ = ["Restored", "SnapshotConfig", "SnapshotInfo", "Snapshotter"]
 
 log = structlog.get_logger("snapshot")
 
 
-@dataclass(kw_only=True)
-class _Request:
-    number: int
-    step: int
-    treedef: Any
-    plans: list[LeafPlan | None]
-    staged: list[list[list[Any]]]  # leaf -> piece -> copy
-    values: list[Any]
-    key_impls: list[str | None]
-    meta: dict[str, Any]
+class _Abandoned(Exception):
+    pass
 
 
 class Snapshotter:
@@ -66,15 +58,15 @@ class Snapshotter:
         self._generations: list[Generation] = []
         self._slots: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
         self._cv = threading.Condition()
-        self._pending: _Request | None = None
-        self._in_flight: _Request | None = None
+        self._pending: StagedRequest | None = None
+        self._in_flight: StagedRequest | None = None
         self._error: SnapshotFailedError | None = None
         self._numbers = 0
         self._closed = False
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="snapshot-copy")
         self._stats = {"snapshots_requested": 0, "snapshots_taken": 0, "snapshots_coalesced": 0,
-                       "snapshots_failed": 0, "snapshots_waited": 0, "blocking_seconds": 0.0,
-                       "last_blocking_seconds": 0.0, "copy_seconds": 0.0, "copy_bytes": 0}
+                       "snapshots_failed": 0, "snapshots_abandoned": 0, "snapshots_waited": 0, "blocking_seconds": 0.0,
+                       "last_blocking_seconds": 0.0, "last_load_wait_seconds": 0.0, "copy_seconds": 0.0, "copy_bytes": 0}
         self._worker = threading.Thread(target=self._work, name="snapshot-worker", daemon=True)
         self._worker.start()
 
@@ -91,21 +83,28 @@ class Snapshotter:
         plans = self._plan(arrays)
         engine = self._engine_for(arrays)
         staged: list[list[list[Any]]] = []
+        sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]] = []
         values: list[Any] = []
         for x, plan in zip(arrays, plans, strict=True):
             if plan is None:
                 staged.append([])
+                sources.append([])
                 values.append(copylib.deepcopy(x))
                 continue
             shards = x.addressable_shards
             staged.append([[engine.stage(shards[c.shard].data, c.dest) for c in p.copies] for p in plan.pieces])
+            # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that
+            # holds one of them restores its own shard of this state in place. (Holding every replica would
+            # also keep the others from being donated: each step after a save would allocate them anew.)
+            sources.append([[(shards[c.shard].device, v, shards[c.shard].data) for c, v in zip(p.copies, views, strict=True)]
+                            for p, views in zip(plan.pieces, staged[-1], strict=True)] if engine.name == "host" else [])
             values.append(None)
         with self._cv:
             if self._closed:
                 raise SnapshotConfigError("the snapshotter is closed")
             self._numbers += 1
-            req = _Request(number=self._numbers, step=step, treedef=treedef, plans=plans, staged=staged,
-                           values=values, key_impls=key_impls, meta=copylib.deepcopy(dict(meta or {})))
+            req = StagedRequest(number=self._numbers, step=step, treedef=treedef, plans=plans, staged=staged,
+                           sources=sources, values=values, key_impls=key_impls, meta=copylib.deepcopy(dict(meta or {})))
             self._stats["snapshots_requested"] += 1
             if self._pending is not None and self.config.on_busy == "wait":
                 self._stats["snapshots_waited"] += 1
@@ -152,6 +151,12 @@ class Snapshotter:
                 self._cv.notify_all()
             try:
                 gen = self._copy(req)
+            except _Abandoned:
+                with self._cv:
+                    self._stats["snapshots_abandoned"] += 1
+                    self._in_flight = None
+                    self._cv.notify_all()
+                continue
             except Exception as err:  # noqa: BLE001 - any failure leaves the previous generation intact
                 with self._cv:
                     self._stats["snapshots_failed"] += 1
@@ -176,7 +181,7 @@ class Snapshotter:
         used = {g.slot for g in self._generations}
         return next(s for s in range(self.config.keep + 1) if s not in used)
 
-    def _copy(self, req: _Request) -> Generation:
+    def _copy(self, req: StagedRequest) -> Generation:
         t0 = time.perf_counter()
         engine = self._engine
         assert engine is not None
@@ -193,6 +198,8 @@ class Snapshotter:
             digest = 0
             lost: BaseException | None = None
             for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
+                if req.abandoned:
+                    raise _Abandoned
                 if self._guard is not None:
                     try:
                         self._guard([cp.dest])
@@ -219,25 +226,11 @@ class Snapshotter:
         wait_all(futures.values())
         records = {ij: f.result() for ij, f in futures.items()}
         self._slots[slot] = buffers
-        req.staged = []  # release the views: donation of the state's buffers is possible again
-        leaves = []
-        held = 0
-        for i, plan in enumerate(req.plans):
-            if plan is None:
-                leaves.append(LeafRecord(is_array=False, value=req.values[i]))
-                continue
-            pieces = tuple(records[(i, j)] for j in range(len(plan.pieces)))
-            held += sum(p.nbytes * len(p.copies) for p in plan.pieces)
-            leaves.append(LeafRecord(shape=plan.shape, dtype=plan.dtype.name, key_impl=req.key_impls[i],
-                                     pieces=pieces))
-        state_bytes = sum(p.nbytes for p in req.plans if p)
-        fewest = min((len({c.slice for c in p.copies}) for leaf in leaves for p in leaf.pieces), default=0)
-        elapsed = time.perf_counter() - t0
-        self._stats["copy_seconds"] += elapsed
-        self._stats["copy_bytes"] += held
-        return Generation(number=req.number, step=req.step, treedef=req.treedef, leaves=tuple(leaves),
-                          meta=req.meta, meta_checksum=meta_checksum(req.meta), slot=slot, state_bytes=state_bytes,
-                          held_bytes=held, copies=fewest, created=time.time())
+        req.staged, req.sources = [], []  # release the views: donation of the state's buffers is possible again
+        gen = req.completed(records, slot)
+        self._stats["copy_seconds"] += time.perf_counter() - t0
+        self._stats["copy_bytes"] += gen.held_bytes
+        return gen
 
     def _publish(self, gen: Generation) -> None:
         if self._generations and self._generations[-1].step >= gen.step:
@@ -272,36 +265,60 @@ class Snapshotter:
         with self._cv:
             return tuple(g.step for g in self._generations)
 
-    def load(self, target: Any, *, available: Any = None, adopt: bool = False) -> Restored:
-        """The newest intact generation placed on ``target`` (shardings, or an abstract state whose leaves
-        carry ``.sharding``), read only from copies on ``available`` devices (default: the target's).
+    def load(self, target: Any, *, available: Any = None) -> Restored:
+        """The newest state held, placed on ``target`` (shardings, or an abstract state whose leaves carry
+        ``.sharding``), read only from devices in ``available`` (default: the target's).
 
-        A corrupt generation is skipped (logged, dropped) and an older one used. With ``adopt`` (host
-        engine), a device holding a copy of exactly its shard takes that buffer over instead of a copy
-        being made; the generation is then consumed (dropped, its buffers never reused): take a new
-        snapshot soon after.
+        A snapshot still being copied is the newest: with the host engine it is taken at once from the
+        shards it staged (see ``snapshot.staged``) and its copy stopped; when a piece's sources are all gone,
+        or with the device engine, the copy is waited for. A corrupt generation is skipped (logged, dropped)
+        and an older one used. Every device receives a buffer it owns; generations stay restorable.
         """
-        with self._cv:  # a copy in flight may reuse an evicted generation's buffers: let it finish
-            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
-            generations = list(reversed(self._generations))
-        if not generations:
-            raise NoSnapshotError("no snapshot has completed yet")
+        with self._cv:
+            req = self._pending or self._in_flight
+            staged = (req, req.sources) if req is not None and req.sources else None
+            newest = self._generations[-1].step if self._generations else None
+        treedef = staged[0].treedef if staged else self._generations[-1].treedef if self._generations else None
+        if treedef is None:
+            self.wait_quietly()
+            with self._cv:
+                treedef = self._generations[-1].treedef if self._generations else None
+            if treedef is None:
+                raise NoSnapshotError("no snapshot has completed yet")
         try:
-            targets = generations[0].treedef.flatten_up_to(target)
+            targets = treedef.flatten_up_to(target)
         except (ValueError, TypeError) as err:
             raise SnapshotStructureError(
-                f"the target does not match the saved state's structure {generations[0].treedef}: {err}") from err
+                f"the target does not match the saved state's structure {treedef}: {err}") from err
         targets = [t if isinstance(t, Sharding) else getattr(t, "sharding", None) for t in targets]
         if available is None:
             available = {d for t in targets if isinstance(t, Sharding) for d in t.device_set}
         available = set(available)
         engine = self._engine
         assert engine is not None
+        if staged is not None and engine.name == "host" and (newest is None or staged[0].step >= newest):
+            req, sources = staged
+            try:
+                state, reused = restore_staged(req, sources, targets, available, self._guard)
+            except SnapshotUnavailableError:
+                log.info("snapshot_in_flight_unavailable", step=req.step)  # wait for its copies below
+            else:
+                log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
+                self._abandon(req)
+                self._stats["last_load_wait_seconds"] = 0.0
+                return Restored(step=req.step, generation=req.number, state=state, meta=copylib.deepcopy(req.meta),
+                                source="staged", shards_kept=reused)
+        t0 = time.perf_counter()
+        self.wait_quietly()  # a copy in flight is newer than every complete generation: let it finish
+        self._stats["last_load_wait_seconds"] = time.perf_counter() - t0
+        with self._cv:
+            generations = list(reversed(self._generations))
+        if not generations:
+            raise NoSnapshotError("no snapshot has completed yet")
         failure: Exception | None = None
         for gen in generations:
             try:
-                state = restore_generation(gen, targets, available, engine, self._guard,
-                                           adopt=adopt and engine.name == "host")
+                state = restore_generation(gen, targets, available, engine, self._guard)
             except SnapshotCorruptError as err:
                 log.warning("snapshot_corrupt", step=gen.step, generation=gen.number, leaf=err.leaf)
                 with self._cv:
@@ -311,13 +328,29 @@ class Snapshotter:
             except SnapshotUnavailableError as err:
                 failure = err
                 continue
-            if adopt and engine.name == "host":
-                with self._cv:  # its buffers now belong to the restored state
-                    self._generations = [g for g in self._generations if g is not gen]
-                    self._slots.pop(gen.slot, None)
             return Restored(step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta))
         assert failure is not None
         raise failure
+
+    def _abandon(self, req: StagedRequest) -> None:
+        """Stop copying ``req`` (and drop a waiting request no newer than it): its state was restored, and
+        the copy would only slow the steps that follow. The next save snapshots the restored state."""
+        with self._cv:
+            if self._pending is not None and self._pending.number <= req.number:
+                self._pending.abandoned = True
+                self._pending = None
+                self._stats["snapshots_abandoned"] += 1
+            if self._in_flight is not None and self._in_flight.number <= req.number:
+                self._in_flight.abandoned = True
+            # Release the views: the first step may then donate the shards the restore kept in place (a
+            # piece being copied right now holds its view until it stops; that buffer is not donated).
+            req.staged, req.sources = [], []
+            self._cv.notify_all()
+
+    def wait_quietly(self) -> None:
+        """Until nothing is pending or in flight; a failed save stays to be raised by :meth:`wait`."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
 
     def image(self) -> HostImage:
         """A host copy of the newest generation, read from reachable copies (for a tier that outlives
@@ -328,16 +361,7 @@ class Snapshotter:
             gen = self._generations[-1]
         assert self._engine is not None
         devices = {c.device for leaf in gen.leaves for p in leaf.pieces for c in p.copies}
-        return to_image(gen, self._engine, {d for d in devices if self._reachable(d)})
-
-    def _reachable(self, device: Any) -> bool:
-        if self._guard is None:
-            return True
-        try:
-            self._guard([device])
-        except Exception:  # noqa: BLE001 - the guard's error is the backend's slice-loss error
-            return False
-        return True
+        return to_image(gen, self._engine, {d for d in devices if reachable(self._guard, d)})
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -348,7 +372,7 @@ class Snapshotter:
             if not held:  # engines whose copies are jax arrays (device engine)
                 held = sum(g.held_bytes for g in self._generations)
         s["snapshots_dropped"] = (s["snapshots_requested"] - s["snapshots_taken"] - s["snapshots_coalesced"]
-                                  - s["snapshots_failed"] - busy)
+                                  - s["snapshots_failed"] - s["snapshots_abandoned"] - busy)
         s["held_bytes"] = held
         s["state_bytes"] = newest.state_bytes if newest else 0
         s["copies"] = newest.copies if newest else 0

@@ -48,7 +48,7 @@ META = {"epoch": 3, "cursor": [7, (1, 2)], "nested": {"a": {"b": [1, {"c": (3,)}
         "none": None}
 
 
-def make_state(mesh: Mesh = MESH8, seed: int = 0) -> dict:
+def make_state(mesh: Mesh = MESH8, seed: int = 0, specs: dict = SPECS) -> dict:
     """Every kind of leaf: f32 over both axes (-0.0, a subnormal), replicated f32, int32 across slices, bf16
     (with a NaN), an int32 scalar, typed PRNG keys across slices, a Python int and a Python float."""
     rng = np.random.default_rng(seed)
@@ -59,8 +59,8 @@ def make_state(mesh: Mesh = MESH8, seed: int = 0) -> dict:
     host = {"w": w, "r": rng.normal(size=(16,)).astype(np.float32),
             "h": rng.integers(-2**31, 2**31 - 1, size=(24, 3), dtype=np.int32), "b": b,
             "n": np.int32(-123456789 + seed)}
-    state = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in host.items()}
-    state["keys"] = jax.device_put(jax.random.split(jax.random.key(seed), 24), NamedSharding(mesh, SPECS["keys"]))
+    state = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    state["keys"] = jax.device_put(jax.random.split(jax.random.key(seed), 24), NamedSharding(mesh, specs["keys"]))
     state["step"] = 7 + seed
     state["lr"] = 0.5 + seed
     return state
@@ -645,26 +645,68 @@ def test_a_slice_lost_mid_snapshot_leaves_a_usable_snapshot_on_the_survivors(mak
     assert_same(restored.state, tree_bits(state))
 
 
-def test_adopting_restore_consumes_the_generation_and_never_reuses_its_buffers(make):
-    """With adopt=True a survivor takes its own copy over (no copy made); that generation is gone, and
-    later saves write elsewhere, so the restored state stays intact."""
+def _pointers(state) -> set[int]:
+    arrays = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+              for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    return {s.data.unsafe_buffer_pointer() for x in arrays for s in x.addressable_shards}
+
+
+def test_restore_gives_runtime_owned_buffers_that_never_alias_the_snapshot_and_can_be_donated(make):
+    """Restored shards are fresh buffers the runtime owns: the generation stays restorable after later saves,
+    and the first step donates them (updated in place, not copied)."""
     snap = make(keep=2)
-    saved(snap, 1, make_state(seed=1))
     state2 = make_state(seed=2)
     saved(snap, 2, state2)
     expected = tree_bits(state2)
-    consumed = {c.buffer.ctypes.data for leaf in snap._generations[-1].leaves for p in leaf.pieces  # noqa: SLF001
-                for c in p.copies}
-    restored = snap.load(shardings_on(MESH6_NO1), adopt=True)
-    assert restored.step == 2 and snap.steps == (1,)
-    buffers = {c.buffer.ctypes.data for leaf in snap._generations[-1].leaves for p in leaf.pieces  # noqa: SLF001
-               for c in p.copies}
-    arrays = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-              for x in jax.tree_util.tree_leaves(restored.state) if isinstance(x, jax.Array)]
-    shared = [s for x in arrays for s in x.addressable_shards if np.asarray(s.data).ctypes.data in buffers]
-    assert not shared  # nothing aliases a generation still held
-    taken = [s for x in arrays for s in x.addressable_shards if np.asarray(s.data).ctypes.data in consumed]
-    assert taken  # some survivors did take their own copy over
+    held = {c.buffer.ctypes.data for leaf in snap._generations[-1].leaves for p in leaf.pieces  # noqa: SLF001
+            for c in p.copies}
+    restored = snap.load(shardings_on(MESH6_NO1))
+    assert not _pointers(restored.state) & held  # nothing aliases the snapshot
+    assert snap.steps == (2,)  # the generation stays
     for step in (3, 4, 5):
-        saved(snap, step, make_state(seed=step))  # slots are reused; the adopted buffers are not among them
+        saved(snap, step, make_state(seed=step))  # slots are reused: the restored state is untouched
+    assert_same(restored.state, expected)
+    again = snap.load(shardings_on(MESH6_NO1))
+    w = again.state["w"]
+    before = {s.device.id: s.data.unsafe_buffer_pointer() for s in w.addressable_shards}
+    after = jax.jit(lambda x: x * 2, donate_argnums=0)(w)
+    assert w.is_deleted()
+    assert {s.device.id: s.data.unsafe_buffer_pointer() for s in after.addressable_shards} == before  # in place
+
+
+def test_a_snapshot_in_flight_is_restored_from_its_staged_shards_without_waiting_for_its_copy(make):
+    """A failure while a snapshot is still being copied: the restore takes that newest state from the shards the
+    save staged (a survivor's own shard stays in place), does not wait for the copy, and stops it."""
+    gate, copying = threading.Event(), threading.Event()
+
+    def guard(devices):
+        if threading.current_thread().name.startswith("snapshot-copy"):
+            copying.set()
+            assert gate.wait(30)  # the copy is held here until the restore has returned
+        runtime.simulated.check_devices(devices)
+
+    data_parallel = {k: None if v is None else P(*(None if a == "replica" else a for a in v)) for k, v in SPECS.items()}
+    snap = make(guard=guard, keep=2)
+    gate.set()
+    saved(snap, 1, make_state(seed=1, specs=data_parallel))
+    gate.clear()
+    state2 = make_state(seed=2, specs=data_parallel)
+    expected = tree_bits(state2)
+    snap.save(2, state2, {"cursor": 2})
+    try:
+        assert copying.wait(30)
+        runtime.simulated.kill_slice(TOPOLOGY.slices[1])
+        restored = snap.load(shardings_on(MESH6_NO1, data_parallel))
+        assert not gate.is_set()  # returned while the copy was still held
+    finally:
+        gate.set()
+    assert restored.step == 2 and restored.meta == {"cursor": 2}
+    assert_same(restored.state, expected)
+    source = {s.data.unsafe_buffer_pointer() for s in state2["w"].addressable_shards if s.device.id in (0, 1, 4, 5, 6, 7)}
+    assert _pointers({"w": restored.state["w"]}) & source  # some survivors kept their own shard: nothing moved
+    snap.wait()
+    stats = snap.stats()
+    assert stats["snapshots_abandoned"] == 1 and stats["snapshots_dropped"] == 0
+    assert snap.steps == (1,)  # the abandoned copy published nothing
+    del state2
     assert_same(restored.state, expected)
