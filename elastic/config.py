@@ -1,22 +1,39 @@
 """Configuration: frozen, keyword-only, validated when built."""
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from elastic.errors import ConfigError
 
-__all__ = ["ElasticConfig", "Policy", "Tiers"]
+__all__ = ["ElasticConfig", "Policy", "Tiers", "check_batch_splits"]
 
 
-def _count(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+def _count(name: str, value: object, minimum: int = 1, *, maximum: int | None = None, what: str = "") -> None:
+    """``ConfigError`` unless ``value`` is an ``int`` (not a bool or a float) in ``minimum..maximum - 1``;
+    ``what`` words the range in the message."""
+    what = what or f"an integer of at least {minimum}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int ({what}), got {value!r} of type {type(value).__name__}")
+    if value < minimum or (maximum is not None and value >= maximum):
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
+def _positive(name: str, value: object) -> None:
+    """``ConfigError`` unless ``value`` is a finite, positive number of seconds (an int or a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r} of type {type(value).__name__}")
+    if not 0 < value < math.inf:  # also false for nan
+        raise ConfigError(f"{name} must be positive and finite (seconds), got {value!r}")
+
+
+def _instance(name: str, value: object, kind: type) -> None:
+    """``ConfigError`` unless ``value`` is a ``kind``."""
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be a {kind.__name__}, got {value!r} of type {type(value).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,11 +50,9 @@ class Policy:
     max_slice_failures: int = 0
 
     def __post_init__(self) -> None:
-        if self.min_slices < 1:
-            raise ConfigError(f"min_slices must be at least 1, got {self.min_slices}")
+        _count("min_slices", self.min_slices)
         _positive("repair_timeout_s", self.repair_timeout_s)
-        if self.max_slice_failures < 0:
-            raise ConfigError(f"max_slice_failures must be 0 (no limit) or more, got {self.max_slice_failures}")
+        _count("max_slice_failures", self.max_slice_failures, 0, what="0 (no limit) or more")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,10 +80,13 @@ class Tiers:
         _count("tiers.keeper_every", self.keeper_every, 0)
         _count("tiers.keepers", self.keepers)
         _count("tiers.persistent_every", self.persistent_every)
-        if self.on_busy not in ("coalesce", "wait"):
+        if not isinstance(self.on_busy, str) or self.on_busy not in ("coalesce", "wait"):
             raise ConfigError(f"tiers.on_busy must be 'coalesce' or 'wait', got {self.on_busy!r}")
-        if self.persistent_dir is not None and not str(self.persistent_dir).strip():
-            raise ConfigError("tiers.persistent_dir must be a directory or bucket path, or None to turn it off")
+        if self.persistent_dir is not None and (
+            not isinstance(self.persistent_dir, (str, os.PathLike)) or not str(self.persistent_dir).strip()
+        ):
+            raise ConfigError(f"tiers.persistent_dir must be a directory or bucket path, or None to turn it off, "
+                              f"got {self.persistent_dir!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +96,10 @@ class ElasticConfig:
     Slices: ``num_slices`` x ``devices_per_slice`` devices; ``simulated`` groups forced CPU devices
     (tests, demo) and lets fault injection kill them. ``num_steps`` steps run in all;
     a host snapshot is taken every ``snapshot_every`` steps (bounding the work a failure can lose).
+    ``global_batch_size``: the leading size of every batch, when known; ``ElasticJob`` then checks at
+    construction that it splits over every device count the job may shrink to (see
+    :attr:`device_counts`), unless the loop splits uneven batches into micro-batches (``Trainer`` with
+    ``optax_step``).
     """
 
     job_name: str = "elastic"
@@ -95,12 +117,18 @@ class ElasticConfig:
     startup_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0
     max_transient_retries: int = 3
+    global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.job_name or not all(c.isalnum() or c in "-_" for c in self.job_name):
+        if not isinstance(self.job_name, str) or not self.job_name \
+                or not all(c.isalnum() or c in "-_" for c in self.job_name):
             raise ConfigError(f"job_name must be non-empty letters, digits, '-' or '_', got {self.job_name!r}")
         for name in ("num_slices", "devices_per_slice", "num_steps", "snapshot_every", "keep_snapshots"):
             _count(name, getattr(self, name))
+        _instance("simulated", self.simulated, bool)
+        _instance("policy", self.policy, Policy)
+        _instance("tiers", self.tiers, Tiers)
+        _count("seed", self.seed, -(2**63), maximum=2**63, what="a 64-bit signed integer, as jax.random.key takes")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "startup_timeout_s", "recovery_timeout_s"):
             _positive(name, getattr(self, name))
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -113,10 +141,39 @@ class ElasticConfig:
                 f"policy.min_slices={self.policy.min_slices} is above num_slices={self.num_slices}: "
                 f"the job could never run; lower min_slices to at most {self.num_slices}"
             )
-        if self.max_transient_retries < 0:
-            raise ConfigError(f"max_transient_retries must be 0 or more, got {self.max_transient_retries}")
+        _count("max_transient_retries", self.max_transient_retries, 0, what="0 or more")
+        if self.global_batch_size is not None:
+            _count("global_batch_size", self.global_batch_size, what="an integer of at least 1, or None")
 
     @property
     def namespace(self) -> str:
         """The Ray namespace holding this job's supervisor and agents."""
         return f"elastic-{self.job_name}"
+
+    @property
+    def device_counts(self) -> tuple[int, ...]:
+        """Every device count the job may run on: ``policy.min_slices..num_slices`` slices, smallest first."""
+        return tuple(n * self.devices_per_slice for n in range(self.policy.min_slices, self.num_slices + 1))
+
+
+def _names(counts: Sequence[int]) -> str:
+    return ", ".join(str(n) for n in counts[:-1]) + (" or " if len(counts) > 1 else "") + str(counts[-1])
+
+
+def check_batch_splits(rows: int, config: ElasticConfig, *, what: str) -> None:
+    """``ConfigError`` unless a batch of ``rows`` splits evenly over every device count the job may run
+    on; the message names the counts that fail and the sizes that would work. ``what`` names the batch."""
+    counts = config.device_counts
+    bad = [n for n in counts if rows % n]
+    if not bad:
+        return
+    unit = math.lcm(*counts)
+    below = rows // unit * unit
+    sizes = " or ".join(str(s) for s in (below, below + unit) if s > 0)
+    fewer = "raise policy.min_slices, " if len(counts) > 1 else ""
+    raise ConfigError(
+        f"{what} of {rows} rows does not split over {_names(bad)} devices, and the job may run on "
+        f"{_names(counts)} devices (policy.min_slices={config.policy.min_slices} to num_slices={config.num_slices} "
+        f"slices of {config.devices_per_slice}); use a batch size that is a multiple of {unit} (e.g. {sizes}), "
+        f"{fewer}or use elastic.Trainer with elastic.optax_step, which splits an uneven batch into micro-batches"
+    )

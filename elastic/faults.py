@@ -51,6 +51,10 @@ class Faults:
         return self._add(Fault(kind="kill_client", at_step=at_step))
 
     def _add(self, fault: Fault) -> Faults:
+        for name in ("at_step", "slice"):
+            value = getattr(fault, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{fault.kind} {name} must be an int, got {value!r} of type {type(value).__name__}")
         if fault.at_step < 0:
             raise ConfigError(f"{fault.kind} at_step must be 0 or more, got {fault.at_step}")
         self._faults.append(fault)

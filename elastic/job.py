@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 import runtime
 from elastic.accounting import Accounting
 from elastic.cluster import ActorGroup, connect
-from elastic.config import ElasticConfig
+from elastic.config import ElasticConfig, check_batch_splits
 from elastic.controller import Controller, JobResult, StepCallback
 from elastic.errors import ConfigError, ElasticError
 from elastic.faults import Faults
@@ -53,18 +53,50 @@ def replicate_all(abstract_state: Any) -> Callable[[Mesh], Any]:
     return lambda mesh: jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract_state)
 
 
+def _sharding(mesh: Mesh, path: Any, leaf: Any, spec: Any) -> Sharding:
+    """One state leaf's sharding on ``mesh``; ``ConfigError`` naming the leaf when ``spec`` does not fit."""
+    where = f"state leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
+    if isinstance(spec, Sharding):
+        return spec
+    if not isinstance(spec, PartitionSpec):
+        raise ConfigError(f"shardings_fn gave {spec!r} ({type(spec).__name__}) for {where}: give a "
+                          "jax.sharding.PartitionSpec or a Sharding per state leaf")
+    axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(a, str)]
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r}, but the mesh has axes "
+                              f"{tuple(mesh.axis_names)}; name only those (or give a mesh_fn with that axis)")
+        if axes.count(axis) > 1:
+            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r} more than once; split a leaf over each "
+                              "mesh axis at most once")
+    if len(spec) > len(leaf.shape):
+        raise ConfigError(f"{where}: {spec} has {len(spec)} entries for {len(leaf.shape)} dimension(s); give at "
+                          "most one entry per dimension")
+    try:
+        return NamedSharding(mesh, spec)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {spec} does not fit the mesh {dict(mesh.shape)}: {err}") from err
+
+
 class ElasticJob:
     """One elastic training job. Use as a context manager, or call ``start``/``close``.
 
     ``init_fn(key) -> state`` builds the initial state; ``shardings_fn(mesh)`` gives one
     ``PartitionSpec`` or sharding per state leaf (default: replicated); ``mesh_fn`` lays out the mesh
-    over the healthy slices' devices. ``agent_nodes`` pins slice agents to Ray nodes.
+    over the healthy slices' devices. ``agent_nodes`` pins slice agents to Ray nodes. ``microbatched``:
+    the loop splits a batch that does not divide over the devices into micro-batches (as ``Trainer`` with
+    ``optax_step`` does), so ``config.global_batch_size`` need not divide every device count.
     """
 
     def __init__(self, config: ElasticConfig, *, init_fn: InitFn, shardings_fn: ShardingsFn | None = None,
                  mesh_fn: runtime.MeshFn | None = None, faults: Faults | None = None,
                  agent_nodes: dict[int, str] | None = None, on_step: StepCallback | None = None,
-                 ray_address: str | None = None) -> None:
+                 ray_address: str | None = None, microbatched: bool = False) -> None:
+        if not isinstance(config, ElasticConfig):
+            raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
+        for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{name} must be a callable, got {fn!r}")
         self.config = config
         self._init_fn = init_fn
         self._mesh_fn = mesh_fn
@@ -76,12 +108,21 @@ class ElasticJob:
             configure_logging()
         self._log = get_logger("elastic.job", job=config.job_name)
         self._faults.validate(num_slices=config.num_slices, num_steps=config.num_steps)
+        if config.global_batch_size is not None and not microbatched:  # a shrink must not strand the batch
+            check_batch_splits(config.global_batch_size, config, what="global_batch_size: a batch")
         _use_compilation_cache(config.job_name)
         self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
+        if not jax.tree_util.tree_leaves(self._abstract):
+            raise ConfigError(f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
+                              "the state to train, a pytree of arrays (e.g. a dict of parameters)")
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
-            self._check_splits(runtime.build_mesh(self.topology.slices[:count], mesh_fn))  # bad specs fail at once
+            try:
+                mesh = runtime.build_mesh(self.topology.slices[:count], mesh_fn)
+            except ValueError as err:
+                raise ConfigError(f"mesh_fn over {count} slice(s): {err}") from err
+            self._check_splits(mesh)  # bad specs fail at once
         self._tiers = TierSet(config, self.topology, self._abstract)
         self._acct = Accounting(num_slices=config.num_slices, num_steps=config.num_steps)
         self._group: ActorGroup | None = None
@@ -104,13 +145,17 @@ class ElasticJob:
         return topo
 
     def _shardings(self, mesh: Mesh) -> Any:
-        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` if the structure differs)."""
+        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` if the structure differs, or a
+        leaf's spec does not fit the mesh or the leaf)."""
         specs = self._shardings_fn(mesh)
         try:
             runtime.check_structure(self._abstract, specs)
         except runtime.StructureError as err:
             raise ConfigError(str(err)) from err
-        return runtime.as_shardings(mesh, specs)
+        paths = jax.tree_util.tree_leaves_with_path(self._abstract)
+        leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, Sharding)))
+        shardings = [_sharding(mesh, path, leaf, spec) for (path, leaf), spec in zip(paths, leaves, strict=True)]
+        return jax.tree_util.tree_structure(self._abstract).unflatten(shardings)
 
     def _check_splits(self, mesh: Mesh) -> None:
         """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
@@ -119,7 +164,7 @@ class ElasticJob:
         for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(self._abstract), targets, strict=True):
             try:
                 sharding.shard_shape(leaf.shape)
-            except ValueError as err:
+            except (ValueError, IndexError) as err:
                 raise ConfigError(
                     f"state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} does not split over the "
                     f"mesh {dict(mesh.shape)}: {err}; pick sizes that divide every device count you may shrink to"

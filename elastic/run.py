@@ -17,11 +17,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
 from elastic.membership import View
 from runtime import batch_sharding, guarded, wait_ready
 
-__all__ = ["LiveState", "Run", "RunHost", "Regroup"]
+__all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,7 @@ class Regroup(BaseException):
 class RunHost(Protocol):
     """What a run needs from the controller, and all it may call."""
 
+    config: ElasticConfig
     num_steps: int
     seed: int
 
@@ -149,17 +151,36 @@ class Run:
         return first_call_recorded
 
     def shard_batch(self, batch: Any) -> Any:
-        """Place a global host batch on the mesh, its leading dimension split over every device."""
-        sharding = batch_sharding(self.mesh)
-        for leaf in jax.tree_util.tree_leaves(batch):
-            if np.shape(leaf)[0] % self.num_devices:
-                raise ConfigError(
-                    f"a batch of {np.shape(leaf)[0]} rows does not split over {self.num_devices} devices; "
-                    "use a batch size that divides every device count you may shrink to, or elastic.Trainer "
-                    "with elastic.optax_step, which splits it into micro-batches"
-                )
-        return self.guard(jax.device_put)(batch, sharding)
+        """Place a global host batch on the mesh, its leading dimension split over every device.
+
+        The leading size must split over every device count the job may shrink to, not only this mesh's:
+        a batch that would not fails at the first step (``ConfigError`` naming the sizes), not after a shrink.
+        """
+        rows = batch_rows(batch, what="run.shard_batch got")
+        check_batch_splits(rows, self._host.config, what="a batch")
+        return self.guard(jax.device_put)(batch, batch_sharding(self.mesh))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
         return jax.random.fold_in(jax.random.key(self._host.seed), step)
+
+
+def batch_rows(batch: Any, *, what: str) -> int:
+    """The leading (batch) size shared by every leaf of ``batch``; ``ConfigError`` when there is none.
+    ``what`` starts the message (e.g. ``"batch_fn(3) returned"``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ConfigError(f"{what} no array leaves: a batch is a pytree of arrays whose leading dimension is the batch")
+    sizes: dict[int, str] = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ConfigError(f"{what} a leaf {jax.tree_util.keystr(path)} of shape () with no leading (batch) "
+                              "dimension: give every leaf the batch as its first dimension")
+        sizes.setdefault(shape[0], jax.tree_util.keystr(path))
+    if len(sizes) != 1:
+        named = ", ".join(f"{n} at {p or 'the root'}" for n, p in sorted(sizes.items()))
+        raise ConfigError(f"{what} leaves with different leading sizes {sorted(sizes)} ({named}): every leaf's "
+                          "leading dimension is the batch")
+    (rows,) = sizes
+    return rows

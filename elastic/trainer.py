@@ -5,7 +5,8 @@ batch of ``step`` (host arrays, leading dimension the batch), so the data order 
 mesh and after any restore. ``step_fn`` is either ``elastic.optax_step(loss_fn, optimizer)``, which
 keeps the global batch exact on any device count by splitting it into micro-batches with gradient
 accumulation, or a plain ``step_fn(state, batch) -> (state, metrics)`` whose batch must divide over
-the devices.
+every device count the job may shrink to (checked at the first step, and at construction when
+``config.global_batch_size`` is set).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 import runtime
@@ -22,7 +22,7 @@ from elastic.config import ElasticConfig
 from elastic.errors import ConfigError
 from elastic.faults import Faults
 from elastic.job import ElasticJob, JobResult, ShardingsFn, StepCallback
-from elastic.run import Run
+from elastic.run import Run, batch_rows
 
 __all__ = ["OptaxStep", "optax_step", "Trainer"]
 
@@ -76,7 +76,7 @@ class Trainer:
         else:
             raise ConfigError(f"step_fn must be elastic.optax_step(...) or a callable, got {type(step_fn).__name__}")
         self.job = ElasticJob(config, init_fn=full_init, shardings_fn=shardings_fn, mesh_fn=mesh_fn, faults=faults,
-                              on_step=on_step, agent_nodes=agent_nodes)
+                              on_step=on_step, agent_nodes=agent_nodes, microbatched=isinstance(step_fn, OptaxStep))
 
     def fit(self) -> JobResult:
         """Train to ``config.num_steps``, surviving slice loss; returns the final state and the report."""
@@ -88,17 +88,15 @@ class Trainer:
         fused = run.guard(self._fused)
         for step in run.steps:
             batch = self._batch_fn(step)
-            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch)}
-            if len(rows) != 1:
-                raise ConfigError(f"batch_fn({step}) returned leaves with different leading sizes {sorted(rows)}")
-            (size,) = rows
-            plan = runtime.plan_microbatches(size, run.num_devices)
-            if len(plan) == 1 and plan[0].sharded:
+            size = batch_rows(batch, what=f"batch_fn({step}) returned")
+            if not isinstance(self._step, OptaxStep):  # a plain step needs a batch that splits on every mesh
                 state, out = fused(state, run.shard_batch(batch))
-            elif isinstance(self._step, OptaxStep):
-                state, out = self._accumulate(run, state, batch, plan, size)
             else:
-                run.shard_batch(batch)  # raises the ConfigError that says what to change
+                plan = runtime.plan_microbatches(size, run.num_devices)
+                if len(plan) == 1 and plan[0].sharded:
+                    state, out = fused(state, run.guard(jax.device_put)(batch, runtime.batch_sharding(run.mesh)))
+                else:
+                    state, out = self._accumulate(run, state, batch, plan, size)
             run.commit(state, **(out if isinstance(out, dict) else {"loss": out}))
         return state
 

@@ -60,6 +60,22 @@ def test_negative_step_rejected_when_added(add):
     assert len(plan) == 0, "a rejected fault must not be kept"
 
 
+@pytest.mark.parametrize(
+    ("add", "words"),
+    [
+        pytest.param(lambda f: f.kill_slice(0, at_step=2.5), "kill at_step must be an int, got 2.5", id="float-step"),
+        pytest.param(lambda f: f.transient_error(at_step="3"), "at_step must be an int, got '3'", id="str-step"),
+        pytest.param(lambda f: f.kill_slice("1", at_step=3), "kill slice must be an int, got '1'", id="str-slice"),
+        pytest.param(lambda f: f.revive_slice(True, at_step=3), "slice must be an int, got True", id="bool-slice"),
+    ],
+)
+def test_non_int_step_or_slice_rejected_when_added(add, words):
+    plan = Faults()
+    with pytest.raises(ConfigError, match=words):
+        add(plan)
+    assert len(plan) == 0
+
+
 # (id, plan builder, num_slices, num_steps, words the message must hold)
 INVALID = [
     ("slice-too-high", lambda: Faults().kill_slice(4, at_step=1), 4, 10, ("kill", "slice 4", "0..3")),
