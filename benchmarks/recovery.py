@@ -15,6 +15,11 @@ for a snapshot still in flight, which is reported apart). ``restore_source`` say
 own shard kept in place, counted in ``shards_kept_in_place``, the others copied) or ``copies`` (the
 host copies of a complete snapshot, all copied). ``copy_gbps`` is the rate of the bytes actually copied.
 
+The job runs twice. The top-level figures come from the failure as described: the snapshot of step 10
+is then still being copied (on this machine a copy of 2 x 256 MiB takes longer than two steps), the
+case a failure usually meets. ``settled`` holds the same figures when the job first waits for that copy
+to complete, so the restore reads the complete snapshot's host copies.
+
 Baseline: what a restart-based job pays at that moment, in a fresh process: import jax and orbax,
 restore the same state from an Orbax checkpoint onto the survivors' mesh, compile the step, run it
 (not even counting rescheduling the job). ``speedup`` = baseline / ours.
@@ -97,11 +102,11 @@ BASELINE = textwrap.dedent("""
 """)
 
 
-def run_elastic(mib: int, kill_at: int, steps: int) -> tuple[dict, object, float]:
+def run_elastic(mib: int, kill_at: int, steps: int, settled: bool) -> tuple[dict, object, float]:
     from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Tiers
 
     rows = rows_for(mib)
-    cfg = ElasticConfig(job_name="bench-recovery", num_steps=steps, snapshot_every=5, keep_snapshots=2,
+    cfg = ElasticConfig(job_name="bench-recovery-settled" if settled else "bench-recovery", num_steps=steps, snapshot_every=5, keep_snapshots=2,
                         policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0))
     job = ElasticJob(cfg, init_fn=init_fn(rows), shardings_fn=lambda mesh: {f"w{i}": P("local") for i in range(LEAVES)},
                      faults=Faults().kill_slice(1, at_step=kill_at))
@@ -114,11 +119,42 @@ def run_elastic(mib: int, kill_at: int, steps: int) -> tuple[dict, object, float
             run.commit(state)
             if s == kill_at - 1 and job.controller is not None:
                 job.controller.wait_for_standbys(300)  # the failure comes once standbys are ready
+                if settled:
+                    job.latest_snapshot()  # ... and once the newest snapshot's copy is complete
         return state
 
     with job:
         result = job.run(loop)
     return result.report.to_dict(), result.state, job.timeline.start
+
+
+def measure(report: dict, state: object, job_start: float) -> dict:
+    """The recovery's figures, from the job's timeline and the XLA compilations seen."""
+    t = {e["event"]: e["t"] for e in report["timeline"] if e["event"] in
+         ("inject_kill", "failure", "detected", "restored", "first_step")}
+    restored = next(e for e in report["timeline"] if e["event"] == "restored")
+    waited = restored.get("waited_for_snapshot_s", 0.0)
+    phases = {"detect": t["failure"] - t["inject_kill"], "decide": t["detected"] - t["failure"],
+              "restore": t["restored"] - t["detected"], "first_step": t["first_step"] - t["restored"]}
+    leaves = jax.tree_util.tree_leaves(state)
+    placed = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+    copied = placed - restored.get("shards_kept", 0) * (placed // sum(len(x.addressable_shards) for x in leaves))
+    window = (job_start + t["inject_kill"], job_start + t["first_step"] + 0.002)
+    return {
+        "resume_seconds": t["first_step"] - t["inject_kill"],
+        "compile_seconds_on_recovery_path": round(sum(secs for end, secs in COMPILES if window[0] <= end <= window[1]), 4),
+        "restore_gbps": round(placed / (phases["restore"] - waited) / 1e9, 2),
+        "copy_gbps": round(copied / (phases["restore"] - waited) / 1e9, 2),
+        "restore_waited_for_snapshot_in_flight_seconds": waited,
+        "restore_source": restored.get("source"),
+        "shards_kept_in_place": restored.get("shards_kept", 0),
+        "restored_bytes_on_devices": placed,
+        "phases": {k: round(v, 3) for k, v in phases.items()},
+        "restore_tier": report["restores"][0]["tier"] if report["restores"] else None,
+        "standby_compiles": report["standby_compiles"],
+        "standby_compile_seconds": report["standby_compile_seconds"],
+        "steps_recomputed": report["steps_recomputed"],
+    }
 
 
 def main() -> None:
@@ -132,20 +168,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args()
     jax.monitoring.register_event_duration_secs_listener(_listen)
-    report, state, job_start = run_elastic(args.mib, args.kill_at, args.steps)
-    t = {e["event"]: e["t"] for e in report["timeline"] if e["event"] in
-         ("inject_kill", "failure", "detected", "restored", "first_step")}
-    restored = next(e for e in report["timeline"] if e["event"] == "restored")
-    waited = restored.get("waited_for_snapshot_s", 0.0)
-    phases = {"detect": t["failure"] - t["inject_kill"], "decide": t["detected"] - t["failure"],
-              "restore": t["restored"] - t["detected"], "first_step": t["first_step"] - t["restored"]}
-    resume = t["first_step"] - t["inject_kill"]
+    report, settled_state, start = run_elastic(args.mib, args.kill_at, args.steps, settled=True)
+    settled = measure(report, settled_state, start)
+    del settled_state
+    report, state, start = run_elastic(args.mib, args.kill_at, args.steps, settled=False)
+    ours = measure(report, state, start)
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-    placed = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state) for s in x.addressable_shards)
-    shard_bytes = placed // sum(len(x.addressable_shards) for x in jax.tree_util.tree_leaves(state))
-    copied = placed - restored.get("shards_kept", 0) * shard_bytes
-    window = (job_start + t["inject_kill"], job_start + t["first_step"] + 0.002)
-    compile_s = sum(secs for end, secs in COMPILES if window[0] <= end <= window[1])
 
     src = np.ones(state_bytes // 4, np.float32)
     dst = np.empty_like(src)
@@ -169,31 +197,21 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
         baseline = time.perf_counter() - t0
         parts = json.loads(out.stdout.strip().splitlines()[-1])
-    result = {
-        "state_bytes": state_bytes,
-        "resume_seconds": round(resume, 3),
-        "baseline_resume_seconds": round(baseline, 3),
-        "speedup": round(baseline / resume, 2),
-        "compile_seconds_on_recovery_path": round(compile_s, 4),
-        "restore_gbps": round(placed / (phases["restore"] - waited) / 1e9, 2),
-        "restore_waited_for_snapshot_in_flight_seconds": waited,
-        "restore_source": restored.get("source"),
-        "shards_kept_in_place": restored.get("shards_kept", 0),
-        "copy_gbps": round(copied / (phases["restore"] - waited) / 1e9, 2),
-        "memcpy_gbps": round(memcpy, 2),
-        "phases": {k: round(v, 3) for k, v in phases.items()},
-        "baseline_phases": {k: round(v, 3) for k, v in parts.items()},
-        "restored_bytes_on_devices": placed,
-        "restore_tier": report["restores"][0]["tier"] if report["restores"] else None,
-        "standby_compiles": report["standby_compiles"],
-        "standby_compile_seconds": report["standby_compile_seconds"],
-        "steps_recomputed": report["steps_recomputed"],
-    }
-    result["checks"] = {
-        "speedup>=20": result["speedup"] >= 20,
-        "compile<=5%_of_resume": compile_s <= 0.05 * resume,
-        "restore_gbps>=memcpy_gbps/2": result["restore_gbps"] >= result["memcpy_gbps"] / 2,
-    }
+    result = {"state_bytes": state_bytes, "resume_seconds": round(ours["resume_seconds"], 3),
+              "baseline_resume_seconds": round(baseline, 3), "speedup": round(baseline / ours["resume_seconds"], 2),
+              **{k: v for k, v in ours.items() if k != "resume_seconds"}, "memcpy_gbps": round(memcpy, 2),
+              "baseline_phases": {k: round(v, 3) for k, v in parts.items()}}
+    result["settled"] = {"resume_seconds": round(settled["resume_seconds"], 3),
+                         "speedup": round(baseline / settled["resume_seconds"], 2),
+                         **{k: v for k, v in settled.items() if k != "resume_seconds"}}
+
+    def checks(r: dict) -> dict:
+        return {"speedup>=20": r["speedup"] >= 20,
+                "compile<=5%_of_resume": r["compile_seconds_on_recovery_path"] <= 0.05 * r["resume_seconds"],
+                "restore_gbps>=memcpy_gbps/2": r["restore_gbps"] >= memcpy / 2}
+
+    result["checks"] = checks(result)
+    result["settled"]["checks"] = checks(result["settled"])
     print(json.dumps(result, indent=1))
 
 
