@@ -106,6 +106,11 @@ class Actors:
     agents: list[Any] = field(default_factory=list)
 
     def kill(self) -> None:
+        if self.supervisor is not None:  # it stops logging and removes its log before anything dies
+            try:
+                ray.get(self.supervisor.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
         quiet = [agent.silence.remote() for agent in self.agents]  # no heartbeat into a dead supervisor
         ray.wait(quiet, num_returns=len(quiet), timeout=5)
         for actor in [*self.agents, self.supervisor]:

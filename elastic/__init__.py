@@ -11,13 +11,13 @@ from typing import Any
 
 __all__ = (
     "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
-    "Policy", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "Tiers", "Trainer", "View", "decide",
+    "Policy", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "SupervisorLostError", "Tiers", "Trainer", "View", "decide",
     "optax_step",
 )
 
 _WHERE = {
     "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
-    "SupervisorError": "errors", "ElasticConfig": "config", "Policy": "config", "Tiers": "config", "ElasticJob": "job",
+    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Tiers": "config", "ElasticJob": "job",
     "JobResult": "job", "Faults": "faults", "Run": "run", "Report": "report", "Trainer": "trainer",
     "OptaxStep": "trainer", "optax_step": "trainer", "View": "membership", "decide": "policy",
 }

@@ -56,6 +56,11 @@ class SliceAgent:
         """Stop heartbeating while staying alive (a hung host, for fault injection)."""
         self._silent = True
 
+    async def stall(self, seconds: float) -> float:
+        """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): no
+        heartbeat goes out meanwhile, then beating resumes. Returns the wall time it resumed."""
+        return _stall(seconds)
+
 
 @ray.remote(num_cpus=0)
 class SliceGroupAgent:
@@ -102,3 +107,13 @@ class SliceGroupAgent:
         (for fault injection); returns the wall time from which they are silent."""
         self._silent.update(self._slices if slices is None else slices)
         return time.time()
+
+    async def stall(self, seconds: float) -> float:
+        """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): none
+        of its slices heartbeats meanwhile, then beating resumes. Returns the wall time it resumed."""
+        return _stall(seconds)
+
+
+def _stall(seconds: float) -> float:
+    time.sleep(seconds)  # on purpose in an async method: the whole actor stalls, as in a long GC pause
+    return time.time()

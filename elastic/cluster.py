@@ -45,21 +45,32 @@ def cleanup(job_name: str, *, keep_keepers: bool = False) -> list[str]:
     """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
 
     The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
-    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot).
-    Returns the names of the actors killed.
+    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
+    supervisor is closed first, so its event log goes with it. Returns the names of the actors killed.
     """
     namespace = ElasticConfig(job_name=job_name).namespace
+    names = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+             if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))]
     killed = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if keep_keepers and entry["name"].startswith("keeper-"):
+    for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # gone meanwhile
             continue
-        if entry["namespace"] == namespace:
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
-                killed.append(entry["name"])
-            except ValueError:  # gone meanwhile
-                pass
+        if name == SUPERVISOR_NAME:
+            _close_supervisor(actor, job_name)
+        ray.kill(actor, no_restart=True)
+        killed.append(name)
     return sorted(killed)
+
+
+def _close_supervisor(supervisor: Any, job_name: str, timeout_s: float = 10.0) -> None:
+    """Stop a supervisor judging and logging and make it remove its event log (bounded: a dead or hung one is
+    only killed, next)."""
+    try:
+        ray.get(supervisor.close.remote(), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - it is killed next in any case
+        get_logger("elastic.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
 
 class ActorGroup:
@@ -126,8 +137,12 @@ class ActorGroup:
         self._log.warning("took_over_job", client_idle_s=round(idle, 1), replaced=replaced)
 
     def spawn_agent(self, index: int, *, wait: bool = True) -> None:
-        """Start a (new incarnation of the) agent of slice ``index``."""
+        """Start a (new incarnation of the) agent of slice ``index``; a previous agent of that slice, even a
+        silent one still alive, is killed first (a repaired slice has one agent)."""
         cfg = self._config
+        previous = self._agents.pop(index, None)
+        if previous is not None:
+            _kill(previous)
         incarnation = self._incarnations.get(index, -1) + 1
         self._incarnations[index] = incarnation
         options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
@@ -154,21 +169,28 @@ class ActorGroup:
         return ray.get(self.supervisor.events.remote(), timeout=10)
 
     def shutdown(self) -> None:
-        """Kill every actor of the job (they are detached, so nothing else would)."""
+        """Kill every actor of the job (they are detached, so nothing else would) and remove the event log.
+
+        The supervisor is closed first: the agents' deaths that follow are neither judged nor logged, so no
+        write re-creates the log after it is gone.
+        """
+        if self.supervisor is not None:
+            _close_supervisor(self.supervisor, self._config.job_name)
         quiet = [agent.silence.remote() for agent in self._agents.values()]  # no heartbeat into a dead supervisor
         ray.wait(quiet, num_returns=len(quiet), timeout=5)
         for agent in self._agents.values():
-            try:
-                ray.kill(agent, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
+            _kill(agent)
         if self.supervisor is not None:
-            try:
-                ray.kill(self.supervisor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            _kill(self.supervisor)
         self._agents.clear()
         try:
             os.remove(self.log_path)
         except OSError:
             pass
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead is fine
+        pass

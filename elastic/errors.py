@@ -6,7 +6,8 @@ crossing a Ray actor boundary.
 """
 from __future__ import annotations
 
-__all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError", "SupervisorError"]
+__all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError", "SupervisorError",
+           "SupervisorLostError"]
 
 
 class ElasticError(Exception):
@@ -42,3 +43,8 @@ class RecoveryTimeoutError(ElasticError, TimeoutError):
 
 class SupervisorError(ElasticError):
     """The supervisor could not be started or reached."""
+
+
+class SupervisorLostError(SupervisorError):
+    """The supervisor is gone for good (killed, or unreachable past a bound): the job cannot be supervised
+    any more and ends."""

@@ -30,7 +30,7 @@ from elastic.report import Ledger, Report, Timeline
 from elastic.run import Run
 from elastic.testing import FaultInjector
 from elastic.tiers import TierSet
-from elastic.watcher import ViewWatcher
+from elastic.watcher import ViewWatcher, supervisor_lost_after_s
 from snapshot import SnapshotInfo
 
 __all__ = ["ElasticJob", "JobResult"]
@@ -182,7 +182,8 @@ class ElasticJob:
         except BaseException:
             self.close()
             raise
-        self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name)
+        self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
+                                    lost_after_s=supervisor_lost_after_s(self.config))
         return self
 
     def close(self) -> None:

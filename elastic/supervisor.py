@@ -6,8 +6,14 @@ asks :func:`elastic.policy.decide` what to do, and publishes the answer as a new
 :class:`~elastic.membership.View` with a higher epoch. An agent holding many slices registers and
 heartbeats them in one call each (``register_slices``, ``heartbeats``). Clients wait on epoch changes with
 ``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to a JSON-lines
-event log, from which a restarted supervisor rebuilds its view; agents re-register on their next
-heartbeat.
+event log, from which a restarted supervisor rebuilds its view, its health history (so quarantine holds)
+and the agents it refuses; agents re-register on their next heartbeat.
+
+An agent silent past ``heartbeat_timeout_s`` is dropped, but not for good: when it beats again (a long GC
+pause), it re-registers and its slice rejoins through :func:`~elastic.policy.decide` like any repaired
+slice, each lapse counting as a failure towards ``max_slice_failures``. An agent that died, or whose slice
+the client saw fail, is refused for good: only a new incarnation brings its slice back. ``close`` ends
+supervision for good (the job is closing): it stops judging and logging and removes the event log.
 """
 from __future__ import annotations
 
@@ -41,8 +47,11 @@ class Supervisor:
         self._view = View()
         self._tally = HealthTally(policy)  # the health history, folded as it grows
         self._beats: dict[int, float] = {}
-        self._incarnations: dict[int, int | None] = {}
-        self._revoked: set[tuple[int, int | None]] = set()  # (slice, incarnation) judged lost: never healthy again
+        self._incarnations: dict[int, int | None] = {}  # the registered agent of each slice judged by heartbeats
+        self._newest: dict[int, int] = {}  # the newest incarnation seen per slice: older ones are refused
+        self._revoked: set[tuple[int, int]] = set()  # (slice, incarnation) dead or failed: never healthy again
+        self._watched: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent's lifeline is watched
+        self._closed = False
         self._events: list[dict[str, Any]] = []
         self._cond: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
@@ -55,29 +64,39 @@ class Supervisor:
 
     # -- durable log ---------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
+        if self._closed:  # the job is closing: nothing may write the log again
+            return
         record = {"wall": time.time(), **record}
         self._events.append(record)
         with open(self._log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def _replay(self) -> None:
-        """Rebuild the view after a restart; slices count as healthy again once they re-register."""
+        """Rebuild the view, the health history and the refused incarnations after a restart; the slices
+        healthy in the log count as healthy until their agents fail to re-register within a heartbeat timeout."""
         if not os.path.exists(self._log_path):
             return
         with open(self._log_path, encoding="utf-8") as f:
             self._events = [json.loads(line) for line in f if line.strip()]
+        wall, now = time.time(), time.monotonic()
         for e in self._events:
             if e["kind"] == "view":
                 self._view = View(epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"],
                                   reason=e["reason"])
-        # The active slices count as healthy until their agents fail to re-register within a heartbeat timeout.
-        now = time.monotonic()
-        for s in self._view.active:
-            self._tally.add(HealthEvent(time=now, slice=s, healthy=True, cause="rebuilt from the event log"))
+            elif e["kind"] == "health":
+                s, incarnation = e["slice"], e.get("incarnation")
+                at = now - max(0.0, wall - e["wall"])  # the event's wall time, on this process's monotonic clock
+                self._tally.add(HealthEvent(time=at, slice=s, healthy=e["healthy"], cause=e["cause"]))
+                if incarnation is not None:
+                    self._newest[s] = max(self._newest.get(s, incarnation), incarnation)
+            elif e["kind"] == "refused":
+                self._revoked.add((e["slice"], e["incarnation"]))
+        for s in self._tally.healthy:
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
         self._resume = self._view.epoch > 0
-        self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active))
+        self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active),
+                          quarantined=sorted(self._tally.quarantined), refused=len(self._revoked))
 
     # -- observations --------------------------------------------------------------------------
     def _condition(self) -> asyncio.Condition:
@@ -85,17 +104,21 @@ class Supervisor:
             self._cond = asyncio.Condition()
         return self._cond
 
-    def _observe(self, slice_index: int, healthy: bool, cause: str) -> None:
+    def _observe(self, slice_index: int, healthy: bool, cause: str, *, incarnation: int | None = None) -> None:
+        """Fold a change of health into the tally and the log (``incarnation``: the agent it is about)."""
         if self._tally.knows(slice_index) and self._tally.is_healthy(slice_index) == healthy:
             return
         self._tally.add(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
-        self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause})
-        self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch)
+        self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause,
+                      "incarnation": incarnation})
+        self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch,
+                       incarnation=incarnation)
 
     async def register(self, slice_index: int, incarnation: int, agent: Any) -> View:
         """An agent (new, restarted or replacing a lost one) reports its slice healthy.
 
-        An incarnation once judged lost stays lost: only a new agent brings its slice back.
+        An agent that died, or whose slice the client saw fail, stays out: only a new incarnation brings its
+        slice back. One that was only silent comes back through ``decide``.
         """
         return await self.register_slices([(slice_index, incarnation)], agent)
 
@@ -104,17 +127,32 @@ class Supervisor:
         watches them all, so the agent's death loses each of them."""
         self._ensure_monitor()
         now = time.monotonic()
-        fresh = [(s, incarnation) for s, incarnation in slices if (s, incarnation) not in self._revoked]
+        fresh = [(s, incarnation) for s, incarnation in slices if self._admits(s, incarnation)]
         for s, incarnation in fresh:
+            self._newest[s] = incarnation
             self._incarnations[s] = incarnation
             self._beats[s] = now
-            self._observe(s, True, f"agent registered (incarnation {incarnation})")
-        if fresh:
-            watch = asyncio.get_running_loop().create_task(self._watch(fresh, agent))
+            self._observe(s, True, f"agent registered (incarnation {incarnation})", incarnation=incarnation)
+        unwatched = [pair for pair in fresh if pair not in self._watched]
+        if unwatched:  # an agent back from a lapse is watched already
+            self._watched.update(unwatched)
+            watch = asyncio.get_running_loop().create_task(self._watch(unwatched, agent))
             self._watches.add(watch)
             watch.add_done_callback(self._watches.discard)
+        if fresh:
             await self._evaluate()
         return self._view
+
+    def _refuse(self, slice_index: int, incarnation: int, cause: str) -> None:
+        """This agent of the slice never counts as healthy again (logged, so a restart remembers it)."""
+        if (slice_index, incarnation) not in self._revoked:
+            self._revoked.add((slice_index, incarnation))
+            self._append({"kind": "refused", "slice": slice_index, "incarnation": incarnation, "cause": cause})
+
+    def _admits(self, slice_index: int, incarnation: int) -> bool:
+        """Not closed, not refused, and not older than the slice's newest agent."""
+        return (not self._closed and (slice_index, incarnation) not in self._revoked
+                and incarnation >= self._newest.get(slice_index, incarnation))
 
     async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
         """False tells the agent to register again (this supervisor does not know it)."""
@@ -126,6 +164,8 @@ class Supervisor:
         Returns the slices this supervisor does not know as such (empty when all is well): their agent
         must register them again.
         """
+        if self._closed:
+            return []
         self._ensure_monitor()
         now = time.monotonic()
         unknown = []
@@ -137,27 +177,29 @@ class Supervisor:
         return unknown
 
     async def report_lost(self, slices: list[int], cause: str) -> View:
-        """A client saw these slices fail (e.g. its computation raised a slice-loss error)."""
+        """A client saw these slices fail (e.g. its computation raised a slice-loss error): their agents are
+        refused from now on, even if they still beat."""
         for s in slices:
-            self._revoke(s)
-            self._observe(s, False, f"client report: {cause}")
+            self._incarnations.pop(s, None)
+            incarnation = self._newest.get(s)
+            if incarnation is not None:
+                self._refuse(s, incarnation, "its slice failed in the client")
+            self._observe(s, False, f"client report: {cause}", incarnation=incarnation)
         await self._evaluate()
         return self._view
-
-    def _revoke(self, slice_index: int) -> None:
-        incarnation = self._incarnations.pop(slice_index, None)
-        if incarnation is not None:
-            self._revoked.add((slice_index, incarnation))
 
     async def _watch(self, slices: list[tuple[int, int]], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
         try:
             await agent.lifeline.remote()
         except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
-            lost = [s for s, incarnation in slices if self._incarnations.get(s) == incarnation]
-            for s in lost:
-                self._revoke(s)
-                self._observe(s, False, f"agent died: {type(err).__name__}")
+            self._watched.difference_update(slices)
+            lost = [(s, incarnation) for s, incarnation in slices if self._incarnations.get(s) == incarnation]
+            for s, incarnation in slices:  # a dead agent never comes back (not even a late registration of it)
+                self._refuse(s, incarnation, "agent died")
+            for s, incarnation in lost:
+                del self._incarnations[s]
+                self._observe(s, False, f"agent died: {type(err).__name__}", incarnation=incarnation)
             if lost:
                 await self._evaluate()
 
@@ -171,7 +213,7 @@ class Supervisor:
 
     def _ensure_monitor(self) -> None:
         """Judging runs once started; a supervisor rebuilt after a restart resumes it on its first call."""
-        if self._monitor is None and self._resume:
+        if self._monitor is None and self._resume and not self._closed:
             self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
 
     async def _run_monitor(self) -> None:
@@ -179,13 +221,14 @@ class Supervisor:
             now = time.monotonic()
             for s, seen in list(self._beats.items()):
                 if s in self._incarnations and now - seen > self._heartbeat_timeout_s:
-                    self._revoke(s)
-                    self._observe(s, False, f"no heartbeat for {now - seen:.1f}s")
+                    # Dropped, not refused: an agent that beats again re-registers and rejoins through decide.
+                    incarnation = self._incarnations.pop(s)
+                    self._observe(s, False, f"no heartbeat for {now - seen:.1f}s", incarnation=incarnation)
             await self._evaluate()
             await asyncio.sleep(self._tick_s)
 
     async def _evaluate(self) -> None:
-        if self._monitor is None:
+        if self._monitor is None or self._closed:
             return
         decision = decide(self._view, self._tally, time.monotonic(), self._policy)
         if isinstance(decision, (Stay, Wait)):
@@ -204,6 +247,19 @@ class Supervisor:
         self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)
         async with self._condition():
             self._condition().notify_all()
+
+    async def close(self) -> None:
+        """End supervision for good (the job is closing): stop judging and logging, and remove the event log,
+        so that agents killed after this leave no trace. Call before killing the agents and this actor."""
+        self._closed = True
+        for task in [self._monitor, *self._watches]:
+            if task is not None:
+                task.cancel()
+        try:
+            os.remove(self._log_path)
+        except FileNotFoundError:
+            pass
+        self._log.info("supervisor_closed", epoch=self._view.epoch)
 
     # -- queries -------------------------------------------------------------------------------
     async def view(self) -> View:

@@ -38,6 +38,7 @@ def group(ray_local):
         assert view.active == frozenset(range(SLICES)), view
         yield sup, agents
     finally:
+        ray.get(sup.close.remote(), timeout=30)  # it logs nothing more: the agents' deaths leave no file
         ray.wait([agent.silence.remote() for agent in agents], num_returns=len(agents), timeout=5)
         for actor in [*agents, sup]:
             ray.kill(actor, no_restart=True)

@@ -1,0 +1,253 @@
+"""Supervision holes (issue 7): a stalled agent rejoins, a flapping slice stays quarantined across a supervisor
+restart, a supervisor gone for good ends the job with a SupervisorError, and closing a job leaves no actor and
+no file behind."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+
+from elastic import Faults, SupervisorError
+from elastic.agent import SliceAgent
+from elastic.cluster import ActorGroup
+from elastic.config import Policy
+from elastic.membership import View
+from elastic.supervisor import SUPERVISOR_NAME, Supervisor
+from elastic.watcher import ViewWatcher
+
+from .helpers import config, ledger_job
+
+pytestmark = pytest.mark.integration
+
+INTERVAL_S, TIMEOUT_S = 0.1, 1.0
+ALL4 = frozenset(range(4))
+
+
+def until(predicate: Callable[[], Any], bound_s: float, what: str) -> Any:
+    """Wait (bounded) for ``predicate`` to hold; return its value."""
+    deadline = time.monotonic() + bound_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {bound_s}s")
+        time.sleep(0.05)
+    return value
+
+
+def next_view(sup: Any, after: int, bound_s: float) -> View:
+    """The supervisor's view once its epoch passes ``after``, or its view after ``bound_s``."""
+    return ray.get(sup.wait_for_epoch.remote(after, bound_s), timeout=bound_s + 30)
+
+
+def named_actors(namespace: str) -> list[str]:
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace)
+
+
+def knows(sup: Any, slice_index: int, incarnation: int) -> bool:
+    """Whether the supervisor holds ``incarnation`` as slice ``slice_index``'s registered agent."""
+    return ray.get(sup.heartbeats.remote([(slice_index, incarnation)]), timeout=30) == []
+
+
+def close_then_kill(supervisors: list[Any], actors: list[Any]) -> None:
+    """Close the supervisors so they log nothing more, then kill them and every other actor."""
+    for sup in supervisors:
+        try:
+            ray.get(sup.close.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a test may have killed it for good already
+            pass
+    for actor in [*supervisors, *actors]:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture
+def supervised(ray_local):
+    """``start(policy)``: a started supervisor over 4 slices, one SliceAgent each (incarnation 0), and
+    ``spawn(slice, incarnation)`` for replacement agents; every actor and the event log go at the end."""
+    job = f"holes-{uuid.uuid4().hex[:8]}"
+    namespace = f"elastic-{job}"
+    log_path = os.path.join(tempfile.gettempdir(), f"elastic-{job}.events.jsonl")
+    supervisors: list[Any] = []
+    actors: list[Any] = []
+
+    def spawn(sup: Any, slice_index: int, incarnation: int) -> Any:
+        agent = SliceAgent.options(namespace=namespace).remote(slice_index, incarnation, sup, INTERVAL_S, job)
+        actors.append(agent)
+        ray.get(agent.start.remote(), timeout=60)
+        return agent
+
+    def start(policy: Policy) -> tuple[Any, list[Any], Callable[[int, int], Any]]:
+        sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
+            job, policy, TIMEOUT_S, INTERVAL_S / 2, log_path)
+        supervisors.append(sup)
+        agents = [spawn(sup, s, 0) for s in range(4)]
+        view = ray.get(sup.start.remote(), timeout=30)
+        assert view.active == ALL4 and view.epoch == 1, view
+        return sup, agents, lambda s, incarnation: spawn(sup, s, incarnation)
+
+    try:
+        yield start
+    finally:
+        close_then_kill(supervisors, actors)
+        if os.path.exists(log_path):
+            os.remove(log_path)
+
+
+def test_a_slice_whose_agent_stalls_past_the_heartbeat_timeout_rejoins(supervised):
+    """Defect 1: an agent paused a little longer than heartbeat_timeout_s (a GC pause) is dropped, then taken
+    back once it beats again, through decide (a Grow), not refused for the rest of the job."""
+    sup, agents, _ = supervised(Policy(min_slices=1))
+    agents[1].stall.remote(TIMEOUT_S + 1.5)
+    dropped = next_view(sup, 1, 4 * TIMEOUT_S)
+    assert dropped.active == ALL4 - {1}, dropped
+    back = next_view(sup, dropped.epoch, 4 * TIMEOUT_S + 2)
+    assert back.active == ALL4 and back.epoch == dropped.epoch + 1, back
+    assert "back" in back.reason, back
+    health = [(e["healthy"], e["cause"]) for e in ray.get(sup.events.remote(), timeout=30)
+              if e["kind"] == "health" and e["slice"] == 1]
+    assert [ok for ok, _ in health] == [True, False, True], health
+    assert "no heartbeat" in health[1][1], health
+
+
+def test_a_flapping_slice_is_quarantined(supervised):
+    """Defect 1, its bound: a slice whose agent keeps lapsing counts a failure each time and stays out after
+    max_slice_failures, although its agent beats again."""
+    sup, agents, _ = supervised(Policy(min_slices=1, max_slice_failures=2))
+    agents[1].stall.remote(TIMEOUT_S + 1.5)
+    dropped = next_view(sup, 1, 4 * TIMEOUT_S)
+    back = next_view(sup, dropped.epoch, 4 * TIMEOUT_S + 2)
+    assert dropped.active == ALL4 - {1} and back.active == ALL4, (dropped, back)  # the first lapse: out, back in
+
+    agents[1].stall.remote(TIMEOUT_S + 1.5)
+    quarantined = next_view(sup, back.epoch, 4 * TIMEOUT_S)
+    assert quarantined.active == ALL4 - {1} and "failed too often" in quarantined.reason, quarantined
+    until(lambda: knows(sup, 1, 0), 4 * TIMEOUT_S, "re-registration of slice 1's agent")  # it beats again...
+    later = next_view(sup, quarantined.epoch, 3 * TIMEOUT_S)
+    assert later == quarantined, later  # ...and stays out
+
+
+def test_a_restarted_supervisor_keeps_the_failure_history(supervised):
+    """Defect 3: a slice quarantined before a supervisor restart stays quarantined after it."""
+    sup, agents, spawn = supervised(Policy(min_slices=1, max_slice_failures=2))
+    ray.kill(agents[1], no_restart=True)  # slice 1's first failure
+    view = next_view(sup, 1, 4 * TIMEOUT_S)
+    assert view.active == ALL4 - {1}, view
+    second = spawn(1, 1)
+    view = next_view(sup, view.epoch, 4 * TIMEOUT_S)
+    assert view.active == ALL4, view
+    ray.kill(second, no_restart=True)  # its second: quarantined
+    view = next_view(sup, view.epoch, 4 * TIMEOUT_S)
+    assert view.active == ALL4 - {1} and "failed too often" in view.reason, view
+    spawn(1, 2)
+    assert knows(sup, 1, 2)  # healthy, registered, and held out
+
+    ray.kill(sup, no_restart=False)  # Ray restarts it; it rebuilds its state from the event log
+    until(lambda: knows(sup, 1, 2), 6 * TIMEOUT_S, "re-registration of slice 1's agent after the restart")
+    after = next_view(sup, view.epoch, 3 * TIMEOUT_S)
+    assert after.epoch == view.epoch and after.active == ALL4 - {1}, after
+
+
+def test_a_restarted_supervisor_still_refuses_the_agent_of_a_slice_the_client_saw_fail(supervised):
+    """Defect 3, refusals: the agent of a slice the client reported lost stays refused after a restart,
+    although it still beats."""
+    sup, _, _ = supervised(Policy(min_slices=1))
+    view = ray.get(sup.report_lost.remote([2], "test: its devices failed"), timeout=30)
+    assert view.active == ALL4 - {2}, view
+    ray.kill(sup, no_restart=False)
+    until(lambda: knows(sup, 0, 0), 6 * TIMEOUT_S, "re-registration of the agents after the restart")
+    after = next_view(sup, view.epoch, 3 * TIMEOUT_S)
+    assert after.epoch == view.epoch and after.active == ALL4 - {2}, after
+    assert not knows(sup, 2, 0)
+
+
+def test_a_watcher_reports_a_supervisor_gone_for_good(supervised):
+    """Defect 2, in the watcher: past lost_after_s without an answer, its view and its waits raise
+    SupervisorError, at once for a waiter already blocked."""
+    sup, _, _ = supervised(Policy(min_slices=1))
+    watcher = ViewWatcher(sup, View(), job="t", poll_s=0.2, lost_after_s=1.0)
+    try:
+        assert watcher.wait_for(lambda v: v.epoch >= 1, 30, what="the first view").active == ALL4
+        assert watcher.supervisor_lost is None
+        ray.kill(sup, no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(SupervisorError, match="supervisor .*gone"):
+            watcher.wait_for(lambda v: v.epoch > 1, 60, what="a view that never comes")
+        assert time.monotonic() - t0 < 1.0 + 0.2 + 5
+        assert isinstance(watcher.supervisor_lost, SupervisorError)
+        with pytest.raises(SupervisorError, match="gone"):
+            _ = watcher.view
+    finally:
+        watcher.stop()
+
+
+def test_a_job_whose_supervisor_is_gone_for_good_ends_with_a_supervisor_error(ray_local):
+    """Defect 2, end to end: a slice is lost after the supervisor was killed for good; the job ends with a
+    SupervisorError saying so, well before recovery_timeout_s."""
+    killed: dict[str, float] = {}
+
+    def kill_supervisor(step, metrics, run):
+        if step == 3 and not killed:
+            killed["at"] = time.monotonic()
+            ray.kill(job.group.supervisor, no_restart=True)
+
+    job, loop = ledger_job("sup-gone", Faults().kill_slice(2, at_step=6), on_step=kill_supervisor,
+                           recovery_timeout_s=60.0)
+    with job, pytest.raises(SupervisorError, match="supervisor .*gone"):
+        job.run(loop)
+    assert time.monotonic() - killed["at"] < 40.0
+
+
+def test_silence_then_revive_leaves_no_actor(ray_local):
+    """Defect 4: the silenced agent replaced by revive_slice does not outlive the job."""
+    def hold(step, metrics, run):
+        if step == 4:  # let the silent agent be dropped before the revive (bounded wait on the event)
+            ray.get(job.group.supervisor.wait_for_epoch.remote(run.epoch, 15), timeout=30)
+
+    job, loop = ledger_job("silence-revive", Faults().silence_agent(1, at_step=3).revive_slice(1, at_step=8),
+                           num_steps=16, on_step=hold)
+    with job:
+        result = job.run(loop)
+    namespace = job.config.namespace
+    until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+    assert result.report.steps_committed == 16
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` (a Ray worker on this machine) has exited."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_closing_actors_leaves_no_file_and_no_actor(ray_local):
+    """Defect 5: once the supervisor's process has exited (nothing can write any more), no event log is left.
+    The agents' deaths used to be logged by the dying supervisor after the log was removed."""
+    for i in range(3):  # it was a race, lost most of the time
+        group = ActorGroup(config(f"no-leftovers-{i}"))
+        group.launch()
+        pid = ray.get(group.supervisor.usage.remote(), timeout=30)["pid"]
+        group.shutdown()
+        until(lambda: exited(pid), 15, "exit of the supervisor's process")
+        namespace = f"elastic-no-leftovers-{i}"
+        until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+        assert not os.path.exists(group.log_path), i
+
+
+def test_closing_a_job_leaves_no_file_and_no_actor(ray_local):
+    """Defect 5, through ElasticJob: after close, no actor of the job and no event log."""
+    job, loop = ledger_job("no-leftovers", num_steps=10)
+    with job:
+        job.run(loop)
+        log_path = job.group.log_path
+        pid = ray.get(job.group.supervisor.usage.remote(), timeout=30)["pid"]
+        assert os.path.exists(log_path)
+    namespace = job.config.namespace
+    until(lambda: exited(pid), 15, "exit of the supervisor's process")
+    until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+    assert not os.path.exists(log_path)
