@@ -1,4 +1,4 @@
-"""The ``elastic`` command: ``elastic demo [--json] [--verify]``."""
+"""The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,33 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    result = _stdout_for_result()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from elastic.chaos_report import ScheduleResult
+    from elastic.chaos_runner import ChaosRunner
+    from elastic.log import configure_logging
+
+    configure_logging(logging.INFO if args.verbose else logging.ERROR)
+    scenarios = [s for s in args.scenarios.split(",") if s] if args.scenarios else None
+    runner = ChaosRunner(args.target, seed=args.seed, steps=args.steps, timeout_s=args.timeout, scenarios=scenarios)
+    _force_cpu_devices(runner.config.num_slices * runner.config.devices_per_slice)
+
+    def progress(r: ScheduleResult) -> None:
+        failed = ", ".join(p.promise for p in r.verdict.failed) or "every promise kept"
+        print(f"schedule {r.schedule.index} {r.schedule.scenario}: {r.record.outcome} in {r.record.seconds:.1f} s, "
+              f"{r.injected} fault(s); {failed}", file=sys.stderr, flush=True)
+
+    indices = [args.index] if args.index is not None else None
+    out = runner.run(args.schedules, indices=indices, progress=progress).to_dict()
+    if args.json:
+        print(json.dumps(out), file=result, flush=True)
+    else:
+        summary = {k: v for k, v in out.items() if k != "runs"}
+        print(json.dumps(summary, indent=2), file=result, flush=True)
+    return 0 if out["ok"] else 1
+
+
 def _cleanup(args: argparse.Namespace) -> int:
     from elastic.cluster import cleanup, connect
 
@@ -86,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--verbose", action="store_true", help="structured events on stderr")
     demo.set_defaults(func=_demo)
+    chaos = sub.add_parser("chaos", help="run seeded fault schedules against a training loop; check every promise")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--schedules", type=int, default=5, help="run schedules 0..N-1 of the seed")
+    chaos.add_argument("--index", type=int, help="replay schedule I of the seed only")
+    chaos.add_argument("--target", help="module:function returning ElasticJob's arguments and loop (default: the "
+                                        "demo model)")
+    chaos.add_argument("--steps", type=int, help="override the target's num_steps")
+    chaos.add_argument("--scenarios", help="comma-separated catalogue names to draw from (default: all that fit)")
+    chaos.add_argument("--timeout", type=float, default=120.0, help="seconds a schedule may run before it is a hang")
+    chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
+    chaos.add_argument("--verbose", action="store_true", help="structured events on stderr")
+    chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job-name", required=True)
     clean.set_defaults(func=_cleanup)

@@ -9,7 +9,9 @@ from typing import Literal
 
 from elastic.errors import ConfigError
 
-__all__ = ["ElasticConfig", "Policy", "Tiers", "check_batch_splits"]
+__all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Tiers", "check_batch_splits"]
+
+FIRST_STEP_FACTOR = 3  # the first step of each pass (a new mesh) waits this many step_timeout_s
 
 
 def _count(name: str, value: object, minimum: int = 1, *, maximum: int | None = None, what: str = "") -> None:
@@ -100,6 +102,12 @@ class ElasticConfig:
     construction that it splits over every device count the job may shrink to (see
     :attr:`device_counts`), unless the loop splits uneven batches into micro-batches (``Trainer`` with
     ``optax_step``).
+
+    ``step_timeout_s`` is the step watchdog: ``run.commit`` waits at most this long for a step's result
+    (compile time is not counted: jax compiles when the step is called, before ``commit`` waits); a step
+    that makes no progress for longer is hung, and the job recovers from it as from a lost slice. The first
+    step of each pass (a new mesh: program load, collective set-up) and the state's restore wait
+    ``FIRST_STEP_FACTOR`` times as long. Set it to several times your slowest step; None turns it off.
     """
 
     job_name: str = "elastic"
@@ -117,6 +125,7 @@ class ElasticConfig:
     startup_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0
     max_transient_retries: int = 3
+    step_timeout_s: float | None = 300.0
     global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -142,6 +151,11 @@ class ElasticConfig:
                 f"the job could never run; lower min_slices to at most {self.num_slices}"
             )
         _count("max_transient_retries", self.max_transient_retries, 0, what="0 or more")
+        if self.step_timeout_s is not None:
+            try:
+                _positive("step_timeout_s", self.step_timeout_s)
+            except ConfigError as err:
+                raise ConfigError(f"{err}; or None to turn the step watchdog off") from err
         if self.global_batch_size is not None:
             _count("global_batch_size", self.global_batch_size, what="an integer of at least 1, or None")
 
@@ -149,6 +163,12 @@ class ElasticConfig:
     def namespace(self) -> str:
         """The Ray namespace holding this job's supervisor and agents."""
         return f"elastic-{self.job_name}"
+
+    def step_wait_s(self, *, first: bool) -> float | None:
+        """How long a step's result is waited for (``first``: the first step of a pass, or a restore)."""
+        if self.step_timeout_s is None:
+            return None
+        return self.step_timeout_s * (FIRST_STEP_FACTOR if first else 1)
 
     @property
     def device_counts(self) -> tuple[int, ...]:

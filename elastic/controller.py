@@ -1,7 +1,8 @@
 """The controller: drives :mod:`elastic.transitions` and carries out each action it returns.
 
-One executor per action; each returns the next event (or ends the job). A slice-loss error raised
-while an executor runs becomes a ``Failed`` event; any other error ends the job as it is. The
+One executor per action; each returns the next event (or ends the job). A slice-loss error or a hung
+step (``runtime.StepHungError``: the step watchdog, ``config.step_timeout_s``) raised while an executor
+runs becomes a ``Failed`` event; any other error ends the job as it is. The
 controller is also the host the user's :class:`~elastic.run.Run` talks to, through three calls:
 ``before_step``, ``committed`` and ``boundary``.
 """
@@ -24,6 +25,7 @@ from elastic.log import get_logger
 from elastic.membership import View
 from elastic.report import Report
 from elastic.run import LiveState, Regroup, Run
+from elastic.stall import StallReporter
 from elastic.tiers import SnapshotPolicy, TierSet
 from elastic.transitions import (Abort, Action, AwaitView, Boundary, Event, Failed, Finish, GiveUp, LoopReturned,
                                  Machine, NoteFailure, Noted, Prepare, Probe, Probed, Ready, RunPass, Started,
@@ -74,6 +76,8 @@ class Controller:
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
         self._standby.warm(lambda: runtime.warm_probes(topology.slices))
         self._prepared_for: int | None = None  # the epoch standbys were last prepared for
+        self._failure = ("", False)  # the last recoverable failure: its cause, and whether a step hung
+        self._stall = StallReporter(config.step_wait_s(first=True), log=self._log, timeline=accounting.timeline)
 
     # -- the driver ----------------------------------------------------------------------------
     def run(self, loop: Callable[[Run], Any]) -> JobResult:
@@ -82,6 +86,7 @@ class Controller:
         view = self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
         self._acct.timeline.add("started", slices=len(view.active), epoch=view.epoch)
         machine, event = Machine(), Started(view)
+        self._stall.start()
         try:
             while True:
                 machine, action = transition(machine, event, self.config.max_transient_retries)
@@ -93,7 +98,9 @@ class Controller:
                     return self._result
                 event = next_event
         finally:
+            self._stall.stop()
             self._standby.close()
+            runtime.hangs.release_all()  # no simulated hang outlives the job (no thread stays blocked)
 
     def _execute(self, machine: Machine, action: Action) -> Event | None:
         try:
@@ -101,13 +108,19 @@ class Controller:
                 return self._prepare(action)
             if isinstance(action, RunPass):
                 return self._run_pass(machine)
-        except Exception as err:  # noqa: BLE001 - only slice loss is recovered; the rest ends the job
-            if not runtime.is_slice_loss(err):
+        except Exception as err:  # noqa: BLE001 - only slice loss and hangs are recovered; the rest ends the job
+            kind = runtime.classify_failure(err)
+            if kind is runtime.FailureKind.OTHER:
                 raise
-            # Whatever was live may sit on lost devices: restore from a snapshot. Drop it now, so that the
-            # restore reuses its memory instead of allocating the state a second time.
+            # Whatever was live may sit on lost devices (or be a hung step's results): restore from a
+            # snapshot. Drop it now, so that the restore reuses its memory instead of allocating it twice.
             self._live = self._run = None
-            return Failed(f"{type(err).__name__}: {err}")
+            cause = f"{type(err).__name__}: {err}"
+            self._failure = (cause, kind is runtime.FailureKind.HUNG)
+            steps = self._acct.ledger.steps
+            self._log.warning("step_hung" if self._failure[1] else "slice_loss_error", epoch=machine.view.epoch,
+                              step=steps[-1] + 1 if steps else 0, state=machine.state.value, error=cause[:300])
+            return Failed(cause)
         if isinstance(action, NoteFailure):
             self._acct.failure(action.cause)
             self._recovering = True
@@ -149,7 +162,8 @@ class Controller:
             self._recovering = False
         live, self._live = self._live, None
         if action.live and live is not None:
-            state = runtime.wait_ready(runtime.guarded(runtime.reshard, devices)(live.state, shardings), devices)
+            moved = runtime.guarded(runtime.reshard, devices)(live.state, shardings)
+            state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
             self._acct.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
             return Ready()
@@ -157,11 +171,13 @@ class Controller:
         if restored is None:
             self._acct.fresh_start()
             init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
-            state = runtime.wait_ready(init(jax.random.key(self.seed)), devices)
+            state = runtime.wait_ready(init(jax.random.key(self.seed)), devices, timeout_s=self._wait_s,
+                                       what="the initial state")
             self._save(0, state, {})
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
             return Ready()
-        state = runtime.wait_ready(restored.state, devices)  # the copies onto the devices have landed
+        state = runtime.wait_ready(restored.state, devices, timeout_s=self._wait_s,  # the copies have landed
+                                   what=f"the restore of step {restored.step}")
         self._acct.restored(restored.meta, step=restored.step, tier=restored.tier, generation=restored.generation,
                             view=view, waited_s=round(self._tiers.last_wait_seconds, 3), source=restored.source,
                             shards_kept=restored.shards_kept)
@@ -175,22 +191,28 @@ class Controller:
 
     def _run_pass(self, machine: Machine) -> Event:
         assert self._run is not None and self._loop is not None
+        self._stall.progress(self._run.start_step)
         try:
             self._value = self._loop(self._run)
         except Regroup as regroup:
             self._acct.regrouped(machine.view, regroup.view)
             self._live = regroup.live
             return Boundary(regroup.view)
+        finally:
+            self._stall.idle()
         steps = self._acct.ledger.steps
         return LoopReturned(complete=steps[-1:] == [self.num_steps - 1], last_committed=steps[-1] if steps else None,
                             last_step=self.num_steps - 1)
 
     def _probe(self, action: Probe) -> Event:
-        dead = frozenset(runtime.probe_slices(self._topology.select(action.slices)))
+        """Which slices answer a tiny computation within ``step_timeout_s`` (one that does not is dead)."""
+        slices = self._topology.select(action.slices)
+        dead = frozenset(runtime.probe_slices(slices, timeout_s=self.config.step_timeout_s))
         attempt = self._acct.failures_in_a_row
         if not dead and attempt <= self.config.max_transient_retries:
-            self._log.warning("transient_failure_retry", attempt=attempt)
-        return Probed(dead, attempt)
+            self._log.warning("transient_failure_retry", attempt=attempt, hung=self._failure[1])
+        cause, hung = self._failure
+        return Probed(dead, attempt, cause=cause, hung=hung)
 
     def _await_view(self, action: AwaitView) -> Event:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
@@ -199,8 +221,14 @@ class Controller:
                                       self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed")
         return ViewSeen(view)
 
+    @property
+    def _wait_s(self) -> float | None:
+        """The bound on moving, restoring or initialising the state (as long as a pass's first step)."""
+        return self.config.step_wait_s(first=True)
+
     # -- what Run calls ------------------------------------------------------------------------
     def before_step(self, step: int) -> None:
+        self._stall.progress(step)
         for hook in self._hooks:
             hook(step)
 
@@ -213,6 +241,7 @@ class Controller:
 
     def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None:
         self._acct.committed(step, batch, metrics, run.view)
+        self._stall.progress(step)
         if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
             self._prepared_for = run.epoch
             self._standby.prepare(self._next_meshes(run.view))

@@ -13,7 +13,7 @@ from elastic.errors import ConfigError
 
 __all__ = ["Fault", "Faults"]
 
-Kind = Literal["kill", "revive", "silence", "transient", "kill_client"]
+Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +44,13 @@ class Faults:
     def transient_error(self, *, at_step: int) -> Faults:
         """Step ``at_step`` raises a slice-loss error although every slice is healthy."""
         return self._add(Fault(kind="transient", at_step=at_step))
+
+    def hang_step(self, *, at_step: int, slice: int | None = None) -> Faults:
+        """Step ``at_step``'s computation never completes (a hung collective) until the step watchdog
+        (``step_timeout_s``) aborts it. ``slice=None``: every slice stays healthy (a transient hang, retried
+        from the snapshot); ``slice=k``: slice k stays wedged (its probe fails), so the job shrinks without it
+        (its agent still beats; ``revive_slice(k)`` brings it back)."""
+        return self._add(Fault(kind="hang", slice=slice, at_step=at_step))
 
     def kill_client(self, *, at_step: int) -> Faults:
         """The client process is SIGKILLed as step ``at_step`` starts (a crashed driver): nothing unwinds,
@@ -76,7 +83,7 @@ class Faults:
                 if f.slice not in down:
                     raise ConfigError(f"revive_slice({f.slice}) at step {f.at_step}: that slice is not down then")
                 down.discard(f.slice)
-            elif f.kind in ("kill", "silence"):
+            elif f.kind in ("kill", "silence") or (f.kind == "hang" and f.slice is not None):
                 down.add(f.slice)  # type: ignore[arg-type]
 
     def __len__(self) -> int:

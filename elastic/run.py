@@ -2,9 +2,11 @@
 
 The loop iterates ``run.steps`` (it resumes at the snapshot's step), computes each step and calls
 ``run.commit(state)`` once per step. A commit waits for the step's result, so a lost slice surfaces
-there at the latest, and asks for the periodic snapshot. Step boundaries belong to the iterator: when
-the membership view has changed, ``run.steps`` ends the pass before the next step starts (the code
-after ``commit`` always runs), and the job re-enters the loop on the new mesh.
+there at the latest, and asks for the periodic snapshot. The wait is the step watchdog: a result not
+ready within ``config.step_timeout_s`` (a pass's first step: ``FIRST_STEP_FACTOR`` times that) raises
+``runtime.StepHungError``, and the job recovers as from a lost slice. Step boundaries belong to the
+iterator: when the membership view has changed, ``run.steps`` ends the pass before the next step starts
+(the code after ``commit`` always runs), and the job re-enters the loop on the new mesh.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from jax.sharding import Mesh
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
 from elastic.membership import View
-from runtime import batch_sharding, guarded, wait_ready
+from runtime import batch_sharding, guarded, hangs, wait_ready
 
 __all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
 
@@ -114,16 +116,28 @@ class Run:
     def commit(self, state: Any, *, batch: int | None = None, **metrics: Any) -> None:
         """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
 
-        Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile.
+        Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile, and
+        ``runtime.StepHungError`` if the step made no progress within its timeout (``step_timeout_s``).
         Returns once the snapshot (when one is due) is requested: it is copied in the background.
         """
         step = self._pending
         if step is None:
             raise ConfigError("run.commit() must be called once per step, inside `for step in run.steps`")
-        wait_ready((state, metrics), self._devices)
+        first = step == self.start_step  # the first step on this mesh gets FIRST_STEP_FACTOR x the time
+        timeout_s = self._host.config.step_wait_s(first=first)
+        if timeout_s is None and hangs.blocked():
+            raise ConfigError(f"step {step} hangs (Faults.hang_step) with the step watchdog off: set "
+                              "ElasticConfig.step_timeout_s to drill hangs")
+        wait_ready((state, metrics), self._devices, timeout_s=timeout_s,
+                   what=f"step {step}{' (the first of this pass)' if first else ''}", hint=self._hang_hint)
         self._pending = None
         self.state = state
         self._host.committed(self, step, state, step if batch is None else batch, metrics)
+
+    @property
+    def _hang_hint(self) -> str:
+        return (f"step_timeout_s={self._host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
+                "can legitimately take longer")
 
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -17,8 +18,12 @@ from elastic.accounting import Accounting
 from elastic.cluster import ActorGroup
 from elastic.faults import Fault, Faults
 from elastic.log import get_logger
+from snapshot import Snapshotter
 
-__all__ = ["FaultInjector"]
+if TYPE_CHECKING:
+    from elastic.job import ElasticJob
+
+__all__ = ["FaultInjector", "snapshotter_of"]
 
 
 class FaultInjector:
@@ -40,6 +45,11 @@ class FaultInjector:
                 self._fired.add(fault)
                 self._inject(fault)
 
+    def fire(self, fault: Fault) -> None:
+        """Inject ``fault`` now, whatever its step (the chaos runner's seams: mid-step, after a restore...)."""
+        self._fired.add(fault)
+        self._inject(fault)
+
     def _inject(self, fault: Fault) -> None:
         self._log.warning("fault_injected", kind=fault.kind, slice=fault.slice, step=fault.at_step)
         self._acct.timeline.add(f"inject_{fault.kind}", step=fault.at_step, slice=fault.slice)
@@ -48,6 +58,10 @@ class FaultInjector:
         if fault.kind == "transient":
             self._acct.report.failures_injected += 1
             raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {fault.at_step}")
+        if fault.kind == "hang":  # the step's next compiled call never completes until the watchdog aborts it
+            self._acct.report.failures_injected += 1
+            runtime.hangs.arm(None if fault.slice is None else self._topology.slice(fault.slice))
+            return
         assert fault.slice is not None
         slice_ = self._topology.slice(fault.slice)
         group = self._group()
@@ -63,3 +77,8 @@ class FaultInjector:
             if self._simulated:
                 runtime.simulated.revive_slice(slice_)
             group.spawn_agent(fault.slice)
+
+
+def snapshotter_of(job: ElasticJob) -> Snapshotter:
+    """The in-memory snapshot tier of an ``ElasticJob`` (a testing seam: corrupt a copy, read its stats)."""
+    return job._tiers._snapshots  # noqa: SLF001 - a testing seam, as snapshot.testing is

@@ -7,10 +7,10 @@ as a sequence of states::
     STARTING --Started--> RESTORING --Ready--> RUNNING --LoopReturned--> FINISHED
     RUNNING --Boundary(bigger view)--> GROWING --Ready--> RUNNING
     RUNNING --Boundary(smaller view)--> RESHARDING --Ready--> RUNNING
-    RUNNING|RESTORING|RESHARDING|GROWING --Failed--> FAILED
+    RUNNING|RESTORING|RESHARDING|GROWING --Failed(slice-loss error or hung step)--> FAILED
     FAILED --Noted(supervisor already dropped a slice)--> RESTORING
     FAILED --Noted--> PROBING --Probed(dead)--> AWAITING_VIEW --ViewSeen--> RESTORING
-    PROBING --Probed(none dead, retries left)--> RESTORING (same view)
+    PROBING --Probed(none dead, retries left)--> RESTORING (same view; past the retries: GAVE_UP)
     any view that gave up --> GAVE_UP
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Failed:
-    cause: str  # a slice-loss error, classified by runtime.is_slice_loss
+    cause: str  # a slice-loss error or a hung step, classified by runtime.classify_failure
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class Noted:
 class Probed:
     dead: frozenset[int]
     attempt: int
+    cause: str = ""  # the failure that led to the probe (named in the error past the retries)
+    hung: bool = False  # that failure was a hung step (the step watchdog), not a slice-loss error
 
 
 @dataclass(frozen=True)
@@ -200,9 +202,10 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
         if event.dead:
             return replace(machine, state=State.AWAITING_VIEW), AwaitView(event.dead, machine.view.epoch)
         if event.attempt > max_transient_retries:
+            what = "hung steps" if event.hung else "slice-loss errors"
+            last = f"; the last: {event.cause}" if event.cause else ""
             return replace(machine, state=State.GAVE_UP), Abort(
-                "persistent", f"slice-loss errors persist with every slice healthy after {event.attempt - 1} "
-                              "retries")
+                "persistent", f"{what} persist with every slice healthy after {event.attempt - 1} retries{last}")
         return replace(machine, state=State.RESTORING), Prepare(machine.view, live=False)
     if isinstance(event, ViewSeen):
         if s is not State.AWAITING_VIEW:

@@ -1,8 +1,8 @@
 """The mechanics of devices: slices, meshes over the healthy ones, resharding, failure classification."""
-from runtime import simulated
+from runtime import hangs, simulated
 from runtime.batching import Chunk, plan_microbatches
-from runtime.classify import FailureKind, classify_failure, is_slice_loss
-from runtime.guard import guarded, wait_ready
+from runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from runtime.guard import StepHungError, guarded, wait_ready
 from runtime.health import SliceProbe, probe_slices, warm_probes
 from runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from runtime.reshard import StructureError, as_shardings, check_structure, reshard
@@ -10,9 +10,9 @@ from runtime.standby import StandbyCompiler, mesh_key
 from runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
 
 __all__ = (
-    "Chunk", "FailureKind", "LOCAL_AXIS", "MeshFn", "REPLICA_AXIS", "Slice", "SliceProbe", "StructureError",
-    "Topology", "TopologyError", "as_shardings", "batch_sharding", "build_mesh", "check_structure",
-    "classify_failure", "guarded", "is_slice_loss", "plan_microbatches", "probe_slices", "replicated",
-    "reshard", "simulated", "simulated_topology", "StandbyCompiler", "mesh_key", "topology_from_devices",
+    "Chunk", "FailureKind", "LOCAL_AXIS", "MeshFn", "REPLICA_AXIS", "Slice", "SliceProbe", "StepHungError",
+    "StructureError", "Topology", "TopologyError", "as_shardings", "batch_sharding", "build_mesh", "check_structure",
+    "classify_failure", "guarded", "hangs", "is_recoverable", "is_slice_loss", "plan_microbatches", "probe_slices",
+    "replicated", "reshard", "simulated", "simulated_topology", "StandbyCompiler", "mesh_key", "topology_from_devices",
     "wait_ready", "warm_probes",
 )

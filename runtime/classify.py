@@ -1,4 +1,5 @@
-"""Slice-loss classification: the one place that decides whether an error means a slice is gone."""
+"""Failure classification: the one place that decides whether an error means a slice is gone (or a step
+hung), so that the controller recovers from it, or is a bug or bad input that ends the job."""
 from __future__ import annotations
 
 import enum
@@ -6,11 +7,14 @@ import re
 
 import jax
 
-__all__ = ["FailureKind", "classify_failure", "is_slice_loss"]
+from runtime.guard import StepHungError
+
+__all__ = ["FailureKind", "classify_failure", "is_recoverable", "is_slice_loss"]
 
 
 class FailureKind(enum.Enum):
     SLICE_LOSS = "slice_loss"  # devices are gone: recover on the survivors
+    HUNG = "hung"  # a step made no progress within its bound: probe, then recover as from a slice loss
     OTHER = "other"  # a bug or bad input: surface it
 
 
@@ -36,6 +40,8 @@ def classify_failure(err: BaseException) -> FailureKind:
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        if isinstance(current, StepHungError):
+            return FailureKind.HUNG
         if isinstance(current, jax.errors.JaxRuntimeError):
             message = str(current)
             code = _status_code(message)
@@ -49,3 +55,8 @@ def classify_failure(err: BaseException) -> FailureKind:
 
 def is_slice_loss(err: BaseException) -> bool:
     return classify_failure(err) is FailureKind.SLICE_LOSS
+
+
+def is_recoverable(err: BaseException) -> bool:
+    """A slice loss or a hung step: the controller probes the slices and recovers."""
+    return classify_failure(err) is not FailureKind.OTHER

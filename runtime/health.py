@@ -1,6 +1,8 @@
-"""Probe which slices can still compute: dispatch a tiny computation per slice, then collect."""
+"""Probe which slices can still compute: dispatch a tiny computation per slice, then collect (bounded: a
+slice whose probe does not answer in time, e.g. wedged behind a hung collective, counts as dead)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime import simulated
 from runtime.classify import is_slice_loss
+from runtime.guard import StepHungError, wait_ready
 from runtime.topology import Slice
 
 __all__ = ["SliceProbe", "probe_slices", "warm_probes"]
@@ -46,15 +49,20 @@ class SliceProbe:
                 pending.append((s, err))
         return pending
 
-    def collect(self, pending: list[tuple[Slice, jax.Array | BaseException]]) -> frozenset[int]:
-        """Indices of the slices that failed their probe with a slice-loss error."""
+    def collect(self, pending: list[tuple[Slice, jax.Array | BaseException]],
+                timeout_s: float | None = None) -> frozenset[int]:
+        """Indices of the slices that failed their probe with a slice-loss error, or (``timeout_s``: a bound
+        for all of them together) did not answer it in time."""
         dead: set[int] = set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for s, result in pending:
             try:
                 if isinstance(result, BaseException):
                     raise result
-                jax.block_until_ready(result)
-                simulated.check_devices(s.devices)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                wait_ready(result, s.devices, timeout_s=left, what=f"the probe of slice {s.index}")
+            except StepHungError:
+                dead.add(s.index)  # unresponsive: as good as gone for this job
             except Exception as err:  # noqa: BLE001
                 if not is_slice_loss(err):
                     raise
@@ -62,6 +70,6 @@ class SliceProbe:
         return frozenset(dead)
 
 
-def probe_slices(slices: Sequence[Slice]) -> frozenset[int]:
+def probe_slices(slices: Sequence[Slice], timeout_s: float | None = None) -> frozenset[int]:
     probe = SliceProbe(slices)
-    return probe.collect(probe.dispatch())
+    return probe.collect(probe.dispatch(), timeout_s)

@@ -4,10 +4,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from runtime.classify import FailureKind, classify_failure, is_slice_loss
+from runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from runtime.guard import StepHungError
 
 Jre = jax.errors.JaxRuntimeError
-LOSS, OTHER = FailureKind.SLICE_LOSS, FailureKind.OTHER
+LOSS, HUNG, OTHER = FailureKind.SLICE_LOSS, FailureKind.HUNG, FailureKind.OTHER
 
 CASES = [
     # Slice loss: status codes XLA runtimes use for lost devices, hosts or collectives.
@@ -24,6 +25,8 @@ CASES = [
     ("internal-slice-down", Jre("INTERNAL: slice 3 is down"), LOSS),
     ("prefixed-type-name", Jre("jaxlib.xla_extension.XlaRuntimeError: UNAVAILABLE: devices unreachable"), LOSS),
     ("leading-whitespace", Jre("  DATA_LOSS: lost shard"), LOSS),
+    # A step that made no progress within step_timeout_s (the step watchdog): recovered, but not a slice loss.
+    ("step-hung", StepHungError("step 12", 30.0, pending=3, total=3), HUNG),
     # Not a slice loss: bugs, bad input, memory.
     ("invalid-argument", Jre("INVALID_ARGUMENT: Argument does not match host shape or layout of computation "
                              "parameter 0: want f32[8,4], got f32[8,3]"), OTHER),
@@ -38,6 +41,7 @@ CASES = [
     ("runtime-error-not-jax", RuntimeError("UNAVAILABLE: x"), OTHER),
     ("runtime-error-halted", RuntimeError("INTERNAL: TPU halted"), OTHER),
     ("keyboard-interrupt", KeyboardInterrupt(), OTHER),
+    ("plain-timeout", TimeoutError("step 12 made no progress"), OTHER),
 ]
 
 
@@ -45,6 +49,7 @@ CASES = [
 def test_classify(err, kind):
     assert classify_failure(err) is kind
     assert is_slice_loss(err) is (kind is LOSS)
+    assert is_recoverable(err) is (kind is not OTHER)
 
 
 def _raise_from(inner: BaseException) -> BaseException:
@@ -83,6 +88,7 @@ def _chain(inner: BaseException, depth: int) -> BaseException:
         pytest.param(_raise_during, Jre("INTERNAL: some compiler bug"), OTHER, id="context-other"),
         pytest.param(lambda e: _chain(e, 4), Jre("ABORTED: peer died"), LOSS, id="deep-chain-loss"),
         pytest.param(lambda e: _chain(e, 4), ValueError("ABORTED: x"), OTHER, id="deep-chain-not-jax"),
+        pytest.param(_raise_from, StepHungError("step 3", 1.0), HUNG, id="cause-hung"),
     ],
 )
 def test_classify_through_chain(make, inner, kind):

@@ -10,6 +10,7 @@ import pytest
 from elastic.config import ElasticConfig, Policy, Tiers, check_batch_splits
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError, SupervisorError
 from elastic.run import batch_rows
+from runtime.guard import StepHungError
 from runtime.reshard import StructureError
 from runtime.topology import TopologyError
 from snapshot.errors import NoSnapshotError, SnapshotCorruptError, SnapshotError, SnapshotStructureError
@@ -95,6 +96,10 @@ CONFIG_BAD = [
     ("recovery-timeout-neg-inf", {"recovery_timeout_s": -math.inf}, ("recovery_timeout_s", "positive")),
     ("startup-timeout-str", {"startup_timeout_s": "60"}, ("startup_timeout_s", "number of seconds", "'60'")),
     ("heartbeat-timeout-none", {"heartbeat_timeout_s": None}, ("heartbeat_timeout_s", "number of seconds", "None")),
+    ("step-timeout-zero", {"step_timeout_s": 0.0}, ("step_timeout_s", "positive", "or None")),
+    ("step-timeout-inf", {"step_timeout_s": math.inf}, ("step_timeout_s", "finite", "or None")),
+    ("step-timeout-nan", {"step_timeout_s": math.nan}, ("step_timeout_s", "finite")),
+    ("step-timeout-str", {"step_timeout_s": "30"}, ("step_timeout_s", "number of seconds", "'30'")),
     # the other fields
     ("job-name-int", {"job_name": 5}, ("job_name", "5")),
     ("simulated-int", {"simulated": 1}, ("simulated", "bool", "1")),
@@ -144,6 +149,8 @@ def test_config_rejects(kwargs, words):
         pytest.param({"seed": -1}, id="negative-seed"),
         pytest.param({"seed": 2**63 - 1}, id="largest-seed"),
         pytest.param({"global_batch_size": None}, id="no-global-batch"),
+        pytest.param({"step_timeout_s": None}, id="step-watchdog-off"),
+        pytest.param({"step_timeout_s": 5}, id="step-timeout-int"),
         pytest.param({"global_batch_size": 40}, id="global-batch-any-size-at-config"),
         pytest.param({"tiers": Tiers(keeper_every=0, persistent_dir="/tmp/ckpt")}, id="tiers"),
         pytest.param({"policy": Policy(min_slices=2, repair_timeout_s=5, max_slice_failures=0)}, id="policy"),
@@ -227,6 +234,7 @@ ERRORS = [
     ("snapshot-root", SnapshotError("x")),
     ("topology", TopologyError("choose a divisor of 8")),
     ("reshard-structure", StructureError("differ in structure")),
+    ("step-hung", StepHungError("step 3", 1.5, pending=2, total=5, hint="raise step_timeout_s")),
 ]
 
 
@@ -236,7 +244,7 @@ def test_error_pickle_round_trip(err):
     assert type(back) is type(err)
     assert str(back) == str(err)
     assert back.args == err.args
-    for field in ("reason", "epoch", "step", "leaf"):
+    for field in ("reason", "epoch", "step", "leaf", "what", "timeout_s", "pending", "total", "hint"):
         if hasattr(err, field):
             assert getattr(back, field) == getattr(err, field)
 
@@ -248,6 +256,14 @@ def test_give_up_error_fields():
     back = pickle.loads(pickle.dumps(err))
     assert (back.reason, back.epoch) == ("too few slices", 4)
     assert isinstance(back, ElasticError)
+
+
+def test_step_timeout_default_and_first_step_wait():
+    cfg = ElasticConfig()
+    assert cfg.step_timeout_s == 300.0
+    assert cfg.step_wait_s(first=False) == 300.0 and cfg.step_wait_s(first=True) == 900.0
+    off = ElasticConfig(step_timeout_s=None)
+    assert off.step_wait_s(first=False) is None and off.step_wait_s(first=True) is None
 
 
 def test_snapshot_corrupt_error_fields():
@@ -266,6 +282,7 @@ def test_snapshot_corrupt_error_fields():
         pytest.param(NoSnapshotError("x"), (SnapshotError, LookupError), id="no-snapshot"),
         pytest.param(TopologyError("x"), (ValueError,), id="topology"),
         pytest.param(StructureError("x"), (ValueError,), id="reshard-structure"),
+        pytest.param(StepHungError("step 3", 1.0), (TimeoutError,), id="step-hung"),
     ],
 )
 def test_error_hierarchy(err, bases):

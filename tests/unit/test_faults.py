@@ -123,3 +123,16 @@ def test_validate_rejects(build, num_slices, num_steps, words):
 )
 def test_validate_accepts(build, num_slices, num_steps):
     build().validate(num_slices=num_slices, num_steps=num_steps)
+
+
+def test_hang_step_plan_and_validation():
+    plan = Faults().hang_step(at_step=4).hang_step(at_step=7, slice=2).revive_slice(2, at_step=9)
+    assert plan.faults == (Fault(kind="hang", at_step=4), Fault(kind="hang", slice=2, at_step=7),
+                           Fault(kind="revive", slice=2, at_step=9))
+    plan.validate(num_slices=4, num_steps=10)  # a slice wedged by a hang is down: it may be revived
+    with pytest.raises(ConfigError, match="not down"):
+        Faults().hang_step(at_step=2).revive_slice(1, at_step=5).validate(num_slices=4, num_steps=10)
+    with pytest.raises(ConfigError, match="slices are 0..3"):
+        Faults().hang_step(at_step=2, slice=4).validate(num_slices=4, num_steps=10)
+    with pytest.raises(ConfigError, match="at_step must be 0 or more"):
+        Faults().hang_step(at_step=-1)

@@ -31,6 +31,7 @@ TABLE = [
     ("gave-up-at-boundary", S.RUNNING, V4, Boundary(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
     ("fail-running", S.RUNNING, V4, Failed("UNAVAILABLE"), S.FAILED, V4, NoteFailure("UNAVAILABLE")),
     ("fail-restoring", S.RESTORING, V4, Failed("x"), S.FAILED, V4, NoteFailure("x")),
+    ("fail-hung", S.RUNNING, V4, Failed("StepHungError: step 3"), S.FAILED, V4, NoteFailure("StepHungError: step 3")),
     ("fail-resharding", S.RESHARDING, V3, Failed("x"), S.FAILED, V3, NoteFailure("x")),
     ("fail-growing", S.GROWING, V4_BACK, Failed("x"), S.FAILED, V4_BACK, NoteFailure("x")),
     ("noted-probe", S.FAILED, V4, Noted(V4), S.PROBING, V4, Probe(V4.active)),
@@ -41,6 +42,14 @@ TABLE = [
     ("probed-none-retry", S.PROBING, V4, Probed(frozenset(), attempt=3), S.RESTORING, V4, Prepare(V4, live=False)),
     ("probed-none-exhausted", S.PROBING, V4, Probed(frozenset(), attempt=4), S.GAVE_UP, V4,
      Abort("persistent", "slice-loss errors persist with every slice healthy after 3 retries")),
+    ("probed-none-hung-retry", S.PROBING, V4, Probed(frozenset(), attempt=2, cause="StepHungError: step 3", hung=True),
+     S.RESTORING, V4, Prepare(V4, live=False)),
+    ("probed-none-hung-exhausted", S.PROBING, V4,
+     Probed(frozenset(), attempt=4, cause="StepHungError: step 3 made no progress in 1s", hung=True), S.GAVE_UP, V4,
+     Abort("persistent", "hung steps persist with every slice healthy after 3 retries; the last: StepHungError: "
+                         "step 3 made no progress in 1s")),
+    ("probed-hung-dead", S.PROBING, V4, Probed(DEAD, attempt=1, cause="StepHungError: step 3", hung=True),
+     S.AWAITING_VIEW, V4, AwaitView(DEAD, 1)),
     ("view-seen", S.AWAITING_VIEW, V4, ViewSeen(V3), S.RESTORING, V3, Prepare(V3, live=False)),
     ("view-seen-gave-up", S.AWAITING_VIEW, V4, ViewSeen(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
 ]

@@ -1,0 +1,147 @@
+"""Promise 4 for hangs: a step that makes no progress within ``step_timeout_s`` ends in recovery (or a clear
+error past the retries) within a bounded time, never a silent stall; a slow but progressing first step does
+not trip it."""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+
+from elastic import ElasticError, Faults, Run
+from runtime import hangs
+
+from .helpers import ledger_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+STEP_TIMEOUT_S = 2.0
+MARGIN_S = 8.0  # detection to the first step after recovery: probe, restore, one step (2 busy cores)
+
+
+def _at(job, event: str, **match) -> float:
+    """The time (s since the job started) of the first timeline event named ``event`` matching ``match``."""
+    for e in job.timeline.events:
+        if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
+            return e["t"]
+    raise AssertionError(f"no {event} {match} in {job.timeline.events}")
+
+
+def _exactly_once(job, result) -> None:
+    n = job.config.num_steps
+    np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(n, np.int32))
+    np.testing.assert_array_equal(np.asarray(result.state["batch_of"]), np.arange(n, dtype=np.int32))
+    assert job.ledger.steps == list(range(n)) and job.ledger.batches == list(range(n))
+    r = result.report
+    assert (r.duplicate_steps, r.skipped_steps, r.steps_committed) == (0, 0, n)
+
+
+def _hang_figures(job) -> tuple[float, float]:
+    """From the timeline: the hang to the watchdog's failure, and the hang to the first step after recovery."""
+    hung = _at(job, "inject_hang")
+    failed = _at(job, "failure")
+    return failed - hung, _at(job, "first_step") - hung
+
+
+def test_a_hung_step_with_every_slice_healthy_is_retried_from_the_snapshot(ray_local):
+    job, loop = ledger_job("hang-transient", Faults().hang_step(at_step=12), num_steps=25,
+                           step_timeout_s=STEP_TIMEOUT_S)
+    with job:
+        result = job.run(loop)
+    _exactly_once(job, result)
+    r = result.report
+    assert r.recoveries == 1 and r.slices_final == 4 and r.min_slices_seen == 4 and r.failures_injected == 1
+    failure = next(e for e in job.timeline.events if e["event"] == "failure")
+    assert failure["error"].startswith("StepHungError: step 12 made no progress in 2s"), failure
+    restored = next(e for e in job.timeline.events if e["event"] == "restored")
+    assert restored["step"] == 10 and restored["slices"] == 4  # the same view: a transient retry
+    detect_s, recover_s = _hang_figures(job)
+    assert STEP_TIMEOUT_S <= detect_s < STEP_TIMEOUT_S + 2.0, job.timeline.events
+    assert recover_s < STEP_TIMEOUT_S + MARGIN_S, job.timeline.events
+    assert hangs.blocked() == 0  # the hung callback was released: no thread stays blocked
+
+
+def test_a_step_hung_on_a_wedged_slice_shrinks_without_it(ray_local):
+    job, loop = ledger_job("hang-wedged", Faults().hang_step(at_step=12, slice=1), num_steps=25,
+                           step_timeout_s=STEP_TIMEOUT_S)
+    with job:
+        result = job.run(loop)
+        events = job.group.events()
+    _exactly_once(job, result)
+    r = result.report
+    assert r.recoveries == 1 and r.slices_final == 3 and r.min_slices_seen == 3
+    # The probe found slice 1 wedged (its agent still beats) and the client reported it to the supervisor.
+    assert any(e["kind"] == "health" and e["slice"] == 1 and "client report" in e["cause"] for e in events)
+    detect_s, recover_s = _hang_figures(job)
+    assert STEP_TIMEOUT_S <= detect_s < STEP_TIMEOUT_S + 2.0, job.timeline.events
+    assert recover_s < STEP_TIMEOUT_S + MARGIN_S, job.timeline.events
+
+
+def test_a_step_that_hangs_every_time_ends_in_a_clear_error(ray_local):
+    job, _ = ledger_job("hang-persistent", max_transient_retries=2, step_timeout_s=1.0)
+    hung_at = []
+
+    @jax.jit
+    def step_fn(state):
+        return {**state, "w": state["w"] + 1}
+
+    def loop(run: Run):
+        state = run.state
+        step = run.jit(step_fn)
+        for i in run.steps:
+            if i == 3:  # a collective that deadlocks every time step 3 runs
+                hung_at.append(run.start_step)
+                hangs.arm()
+            state = step(state)
+            run.commit(state)
+        return state
+
+    t0 = time.monotonic()
+    with job, pytest.raises(ElasticError) as info:
+        job.run(loop)
+    message = str(info.value)
+    assert "hung steps persist with every slice healthy after 2 retries" in message
+    assert "step 3 made no progress in 1s" in message and "step_timeout_s=1.0" in message
+    assert hung_at == [0, 0, 1] and job.report.recoveries == 2
+    assert time.monotonic() - t0 < 60.0
+    assert hangs.blocked() == 0
+
+
+def test_a_slow_but_progressing_first_step_is_not_a_hang(ray_local):
+    """Compiling the first step takes longer than step_timeout_s (compile time is not counted) and running it
+    takes longer too (the first step of a pass gets FIRST_STEP_FACTOR x the time): no failure."""
+    job, _ = ledger_job("slow-first-step", num_steps=6, step_timeout_s=1.0)
+    slow = {"trace_s": 2.0, "run_s": 1.5}  # each spent once
+
+    def device_work(token):
+        time.sleep(slow.pop("run_s", 0.0))  # the first execution's device time: 1.5 x step_timeout_s
+        return token
+
+    @jax.jit
+    def step_fn(state):
+        time.sleep(slow.pop("trace_s", 0.0))  # runs while tracing: compiling takes 2 x step_timeout_s
+        token = io_callback(device_work, jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        return {**state, "w": jax.lax.optimization_barrier((token, state["w"] + 1))[1]}
+
+    committed = []
+
+    def loop(run: Run):
+        state = run.state
+        step = run.jit(step_fn)
+        for i in run.steps:
+            t0 = time.monotonic()
+            state = step(state)
+            run.commit(state)
+            committed.append((i, time.monotonic() - t0))
+        return state
+
+    with job:
+        result = job.run(loop)
+    r = result.report
+    assert r.recoveries == 0 and r.steps_committed == 6
+    assert not [e for e in job.timeline.events if e["event"] == "failure"], job.timeline.events
+    assert committed[0][1] > 3.0  # compile + first execution: three times the step timeout, and no hang
+    assert [i for i, _ in committed] == list(range(6))

@@ -1,0 +1,71 @@
+"""Chaos schedules: replayable from (seed, index), valid for elastic.Faults, covering the catalogue, and a
+violation that says how to replay it."""
+from __future__ import annotations
+
+import pytest
+
+from elastic.chaos import CATALOGUE, JobShape, schedule, schedules
+from elastic.chaos_report import ChaosResult, ScheduleResult
+from elastic.config import ElasticConfig, Policy, Tiers
+from elastic.errors import ConfigError
+from elastic.invariants import RunRecord, check
+
+DEMO = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True)
+
+
+def test_a_schedule_replays_from_seed_and_index():
+    assert schedules(7, 12, DEMO) == schedules(7, 12, DEMO)
+    assert schedule(7, 5, DEMO) == schedules(7, 12, DEMO)[5]
+    assert schedules(7, 12, DEMO) != schedules(8, 12, DEMO)
+
+
+def test_consecutive_schedules_cover_the_catalogue():
+    names = {s.scenario for s in schedules(3, len(CATALOGUE), DEMO)}
+    assert names == {s.name for s in CATALOGUE}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedules_are_valid_faults_and_expect_a_give_up_only_below_min_slices(seed):
+    for s in schedules(seed, 2 * len(CATALOGUE), DEMO):
+        s.plan().validate(num_slices=DEMO.num_slices, num_steps=DEMO.num_steps)  # raises ConfigError if not
+        assert all(0 <= f.at_step < DEMO.num_steps for f in s.faults)
+        down, worst = set(), 0
+        for f in s.faults:
+            if f.kind in ("kill", "silence"):
+                down.add(f.slice)
+            elif f.kind == "revive":
+                down.discard(f.slice)
+            worst = max(worst, len(down))
+        below = DEMO.num_slices - worst < DEMO.min_slices
+        assert (s.expect == "give_up") == below == (s.scenario == "every_slice"), s
+
+
+def test_the_job_shape_limits_the_scenarios():
+    config = ElasticConfig(num_slices=2, devices_per_slice=2, num_steps=30, policy=Policy(min_slices=2),
+                           tiers=Tiers(keeper_every=0))
+    shape = JobShape.of(config)
+    assert not shape.survives_two and shape.spare == 0
+    assert {s.scenario for s in schedules(1, 20, shape)} == {"every_slice", "transient", "straggler", "corrupt"}
+    assert {s.scenario for s in schedules(1, 4, DEMO, ["kill", "silence"])} == {"kill", "silence"}
+    with pytest.raises(ConfigError, match="unknown chaos scenario"):
+        schedule(1, 0, DEMO, ["meteor"])
+    with pytest.raises(ConfigError, match="no chaos scenario"):
+        schedule(1, 0, shape, ["kill"])
+
+
+def test_a_violation_names_its_schedule_and_how_to_replay_it():
+    plan = schedule(7, 2, DEMO)
+    twice = (0, 1, 1, 2, 3)
+    bad = RunRecord(num_steps=4, snapshot_every=2, steps=twice, batches=twice, executed=twice, latest_snapshot_step=4,
+                    snapshots_dropped=0, bound_s=10.0)
+    ref = RunRecord(num_steps=4, snapshot_every=2, steps=(0, 1, 2, 3), batches=(0, 1, 2, 3), executed=(0, 1, 2, 3),
+                    latest_snapshot_step=4, snapshots_dropped=0, bound_s=10.0)
+    one = ScheduleResult(schedule=plan, record=bad, injected=1, verdict=check(bad, ref),
+                         replay="elastic chaos --seed 7 --index 2")
+    result = ChaosResult(seed=7, target="t:f", results=(one,), reference=ref, reference_verdict=check(ref))
+    assert not result.ok and result.recovered == 0
+    out = result.to_dict()
+    (violation,) = [v for v in out["violations"] if v["promise"] == "exactly_once"]
+    assert (violation["seed"], violation["index"], violation["scenario"]) == (7, 2, plan.scenario)
+    assert violation["replay"] == "elastic chaos --seed 7 --index 2" and violation["evidence"]["repeats"] == [1]
+    assert "exactly_once broken by" in str(result.violations[0])

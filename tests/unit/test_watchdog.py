@@ -1,0 +1,179 @@
+"""The step watchdog's runtime side: bounded waits, simulated hangs that really block, bounded probes."""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import runtime
+from runtime import FailureKind, StepHungError, classify_failure, hangs, is_recoverable, simulated
+from runtime.topology import simulated_topology
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def topo():
+    simulated.reset()
+    hangs.release_all()
+    yield simulated_topology(4, 2)
+    hangs.release_all()  # never leave a blocked callback or an armed hang to other tests
+    simulated.reset()
+
+
+def state_on(topo):
+    devices = [d for s in topo.slices for d in s.devices]
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("replica", "local"))
+    x = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P(("replica", "local"))))
+    return {"x": x, "w": jax.device_put(jnp.ones((3,)), NamedSharding(mesh, P()))}, tuple(devices)
+
+
+step = jax.jit(lambda s: {"x": s["x"] + 1, "w": s["w"] * 2})
+
+
+def test_wait_ready_returns_a_ready_tree_without_waiting(topo):
+    state, devices = state_on(topo)
+    out = runtime.guarded(step, devices)(state)
+    assert runtime.wait_ready(out, devices, timeout_s=5.0, what="step 0") is out
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.arange(16) + 1)
+
+
+def test_a_hung_step_raises_within_its_bound_and_is_aborted(topo):
+    state, devices = state_on(topo)
+    hangs.arm()
+    out = runtime.guarded(step, devices)(state)  # dispatch returns: the hang is on the devices, not here
+    assert not out["x"].is_ready() and hangs.blocked() == 1
+    t0 = time.monotonic()
+    with pytest.raises(StepHungError, match=r"step 7 made no progress in 0.3s: 2 of 2 result arrays") as info:
+        runtime.wait_ready(out, devices, timeout_s=0.3, what="step 7", hint="raise step_timeout_s")
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert "raise step_timeout_s" in str(info.value)
+    assert classify_failure(info.value) is FailureKind.HUNG and is_recoverable(info.value)
+    assert not runtime.is_slice_loss(info.value)
+    # The watchdog aborted it: the computation completes (its results are discarded by the controller) and
+    # every slice answers its probe again (a transient hang).
+    assert hangs.blocked() == 0
+    jax.block_until_ready(out)
+    assert runtime.probe_slices(topo.slices, timeout_s=10.0) == frozenset()
+
+
+def test_a_hang_on_one_slice_leaves_it_wedged(topo):
+    state, devices = state_on(topo)
+    hangs.arm(topo.slice(2))
+    out = runtime.guarded(step, devices)(state)
+    with pytest.raises(StepHungError):
+        runtime.wait_ready(out, devices, timeout_s=0.2, what="step 3")
+    assert runtime.probe_slices(topo.slices, timeout_s=10.0) == frozenset({2})
+
+
+def test_a_hang_for_a_slice_outside_the_computation_does_nothing(topo):
+    devices = [d for s in topo.select([0, 1]) for d in s.devices]
+    x = jax.device_put(jnp.ones((4,)), NamedSharding(Mesh(np.array(devices), ("d",)), P("d")))
+    hangs.arm(topo.slice(3))
+    out = runtime.guarded(jax.jit(lambda a: a * 3), devices)(x)
+    runtime.wait_ready(out, devices, timeout_s=10.0)
+    assert hangs.blocked() == 0
+
+
+def test_only_compiled_calls_hang(topo):
+    state, devices = state_on(topo)
+    hangs.arm()
+    placed = runtime.guarded(jax.device_put, devices)(state["w"], state["w"].sharding)
+    runtime.wait_ready(placed, devices, timeout_s=10.0)  # device_put is not the step: still armed
+    out = runtime.guarded(step, devices)(state)
+    assert hangs.blocked() == 1 and not out["w"].is_ready()
+
+
+def test_release_all_frees_blocked_callbacks(topo):
+    state, devices = state_on(topo)
+    hangs.arm()
+    out = runtime.guarded(step, devices)(state)
+    hangs.arm()  # armed, never fired
+    hangs.release_all()
+    runtime.wait_ready(out, devices, timeout_s=10.0)
+    assert hangs.blocked() == 0
+    again = runtime.guarded(step, devices)(state)  # nothing armed any more
+    runtime.wait_ready(again, devices, timeout_s=10.0)
+
+
+def test_probe_of_a_wedged_device_is_bounded(topo):
+    """A device stuck behind a computation nothing can abort (real hardware): every probe behind it goes
+    unanswered and counts as dead, within the bound, instead of blocking the controller forever."""
+    release = threading.Event()
+    devices = [d for s in topo.slices for d in s.devices]
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def stuck(x):
+        token = io_callback(lambda t: (release.wait(), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        return jax.lax.optimization_barrier((token, x))[1]
+
+    x = jax.device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
+    try:
+        wedged = jax.jit(stuck)(x)
+        t0 = time.monotonic()
+        assert runtime.probe_slices(topo.slices, timeout_s=0.5) == frozenset({0, 1, 2, 3})
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        release.set()
+    jax.block_until_ready(wedged)
+
+
+def test_step_hung_error_pickles_with_its_fields():
+    err = StepHungError("step 3", 1.5, pending=1, total=4, hint="raise it")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.what, back.timeout_s, back.pending, back.total, back.hint) == ("step 3", 1.5, 1, 4, "raise it")
+    assert str(back) == str(err) and isinstance(back, TimeoutError)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+        self.logged = threading.Event()
+
+    def error(self, event: str, **fields) -> None:
+        self.events.append((event, fields))
+        self.logged.set()
+
+
+def test_a_loop_stalled_outside_commit_is_reported_once_with_its_stack():
+    from elastic.report import Timeline
+    from elastic.stall import StallReporter
+
+    log, timeline = _Log(), Timeline()
+    reporter = StallReporter(0.2, log=log, timeline=timeline)
+    reporter.start()
+    try:
+        reporter.progress(5)
+        assert log.logged.wait(10.0)  # this thread "stalls" here, in a wait the reporter can see
+        log.logged.clear()
+        assert not log.logged.wait(0.5)  # once per stall
+        reporter.progress(6)
+        assert log.logged.wait(10.0)  # a new stall after progress is reported again
+    finally:
+        reporter.stop()
+    (event, fields), _ = log.events
+    assert event == "loop_stalled" and fields["step"] == 5 and fields["seconds"] >= 0.2
+    assert "test_a_loop_stalled_outside_commit_is_reported_once_with_its_stack" in fields["where"]
+    assert [e["step"] for e in timeline.events if e["event"] == "stalled"] == [5, 6]
+
+
+def test_an_idle_loop_is_not_a_stall():
+    from elastic.report import Timeline
+    from elastic.stall import StallReporter
+
+    log = _Log()
+    reporter = StallReporter(0.1, log=log, timeline=Timeline())
+    reporter.start()
+    try:
+        reporter.progress(1)
+        reporter.idle()  # between passes: the controller's own waits are bounded
+        assert not log.logged.wait(0.5)
+    finally:
+        reporter.stop()
