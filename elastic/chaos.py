@@ -12,7 +12,13 @@ steps and slices. A fault has a *phase*, the moment in the job it strikes:
   snapshot, a move of the live state onto fewer slices, or onto more, before its first step.
 
 Faults at phase ``step`` of the kinds ``elastic.Faults`` knows go through ``elastic.Faults`` (see
-:meth:`Schedule.plan`); the rest are carried out by :mod:`elastic.chaos_runner`. Pure: no jax, no Ray.
+:meth:`Schedule.plan`); the rest are carried out by :mod:`elastic.chaos_runner`. A ``hang`` (a step whose
+computation never completes) needs the step watchdog: the runner caps ``step_timeout_s`` for a schedule
+that holds one (:data:`HANG_STEP_TIMEOUT_S`). Pure: no jax, no Ray.
+
+Scenarios added to the catalogue later (a higher ``since``) are drawn after the earlier ones in each round
+of the round robin, so a schedule ``(seed, index)`` with ``index`` below the earlier catalogue's size draws
+the scenario it drew before the extension.
 """
 from __future__ import annotations
 
@@ -25,19 +31,21 @@ from elastic.config import ElasticConfig
 from elastic.errors import ConfigError
 from elastic.faults import Faults
 
-__all__ = ["CATALOGUE", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
+__all__ = ["CATALOGUE", "HANG_STEP_TIMEOUT_S", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
 
 Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow"]
-Kind = Literal["kill", "revive", "silence", "transient", "straggler", "corrupt"]
+Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt"]
 Expect = Literal["finish", "give_up"]
-PLAN_KINDS = ("kill", "revive", "silence", "transient")  # what elastic.Faults injects at phase "step"
+PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
+HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at most this (also when the target's is off)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosFault:
     """One fault: ``kind`` strikes slice ``slice`` (if any) at ``phase`` of step ``at_step`` (for the
     ``after_*`` phases: the first such pass once the loop has reached ``at_step``). ``seconds``: a
-    straggler's delay."""
+    straggler's delay. A ``hang`` with a ``slice`` leaves that slice wedged (down until revived); without
+    one every slice stays healthy."""
 
     kind: Kind
     at_step: int
@@ -83,6 +91,7 @@ class Scenario:
     phases: tuple[Phase, ...]
     build: Build
     applies: Callable[[JobShape], bool] = lambda shape: shape.spare >= 1
+    since: int = 1  # the catalogue generation that added it (see the module's docstring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,10 +109,17 @@ class Schedule:
             if f.phase == "step" and f.kind in PLAN_KINDS:
                 if f.kind == "transient":
                     faults.transient_error(at_step=f.at_step)
+                elif f.kind == "hang":
+                    faults.hang_step(at_step=f.at_step, slice=f.slice)
                 else:
                     {"kill": faults.kill_slice, "revive": faults.revive_slice,
                      "silence": faults.silence_agent}[f.kind](f.slice, at_step=f.at_step)  # type: ignore[operator]
         return faults
+
+    @property
+    def hangs(self) -> bool:
+        """Whether a step of this schedule hangs (the step watchdog must be on, and short)."""
+        return any(f.kind == "hang" for f in self.faults)
 
     def seams(self) -> tuple[ChaosFault, ...]:
         """The faults the chaos runner carries out (other phases and kinds)."""
@@ -168,6 +184,19 @@ def _transient(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], E
     return [ChaosFault(kind="transient", at_step=_early(rng, shape), phase=rng.choice(["step", "mid_step"]))], "finish"
 
 
+def _hang(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A step hangs until the watchdog aborts it: every slice healthy (retried on the same slices), or one
+    slice wedged (dropped, and perhaps revived later) where the job can spare one."""
+    step = _early(rng, shape)
+    if shape.spare < 1 or rng.random() < 0.5:
+        return [ChaosFault(kind="hang", at_step=step)], "finish"
+    s = rng.randrange(shape.num_slices)
+    faults = [ChaosFault(kind="hang", slice=s, at_step=step)]
+    if rng.random() < 0.5:
+        faults.append(ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step)))
+    return faults, "finish"
+
+
 def _straggler(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
     return [ChaosFault(kind="straggler", at_step=_early(rng, shape), phase="mid_step",
                        seconds=round(rng.uniform(0.2, 1.0), 2))], "finish"
@@ -218,6 +247,9 @@ CATALOGUE: tuple[Scenario, ...] = (
              "starts", phases=("after_reshard",), build=_after("after_reshard"), applies=_two_down),
     Scenario(name="kill_after_grow", summary="a slice dies as the first pass after a grow starts",
              phases=("after_grow",), build=_after("after_grow")),
+    Scenario(name="hang", summary="a step never completes (a hung collective) until the step watchdog aborts it; "
+             "every slice healthy, or one wedged", phases=("step",), build=_hang, applies=lambda shape: True,
+             since=2),
 )
 BY_NAME = {s.name: s for s in CATALOGUE}
 
@@ -238,8 +270,12 @@ def applicable(shape: JobShape, names: Sequence[str] | None = None) -> list[Scen
 
 def schedule(seed: int, index: int, shape: JobShape, scenarios: Sequence[str] | None = None) -> Schedule:
     """Schedule ``index`` of ``seed``: the same faults for the same arguments, in any process."""
-    order = applicable(shape, scenarios)
-    random.Random(f"elastic-chaos:{seed}").shuffle(order)
+    chosen = applicable(shape, scenarios)
+    order: list[Scenario] = []
+    for since in sorted({s.since for s in chosen}):  # each generation shuffled apart: earlier draws stay put
+        group = [s for s in chosen if s.since == since]
+        random.Random(f"elastic-chaos:{seed}" + (f":{since}" if since > 1 else "")).shuffle(group)
+        order += group
     scenario = order[index % len(order)]
     faults, expect = scenario.build(random.Random(f"elastic-chaos:{seed}:{index}"), shape)
     return Schedule(seed=seed, index=index, scenario=scenario.name, expect=expect,

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import runtime
-from elastic.chaos import JobShape, Schedule, applicable, schedule
+from elastic.chaos import HANG_STEP_TIMEOUT_S, JobShape, Schedule, applicable, schedule
 from elastic.chaos_report import ChaosResult, ScheduleResult
 from elastic.chaos_seams import Seams
 from elastic.cluster import cleanup, connect
@@ -146,7 +146,7 @@ class ChaosRunner:
                 progress(results[-1])
         return ChaosResult(seed=self.seed, target=self.label, results=tuple(results), reference=reference,
                            reference_verdict=check(reference), not_run=len(plans) - len(results),
-                           config_overrides=self.overrides, replay=self._replay)
+                           config_overrides=dict(self.overrides), replay=self._replay)
 
     def reference(self) -> RunRecord:
         """The failure-free run of the same target and seed (run once, then cached)."""
@@ -173,6 +173,10 @@ class ChaosRunner:
         cfg = replace(self.config, job_name=job_name)
         if cfg.tiers.persistent_dir is not None:  # a persistent tier refuses another job's directory: one per run
             cfg = replace(cfg, tiers=replace(cfg.tiers, persistent_dir=os.path.join(self._scratch, job_name)))
+        if plan is not None and plan.hangs:  # only the step watchdog ends a hung step: on, and short
+            cfg = replace(cfg, step_timeout_s=min(cfg.step_timeout_s or HANG_STEP_TIMEOUT_S, HANG_STEP_TIMEOUT_S))
+            if cfg.step_timeout_s != self.config.step_timeout_s:
+                self.overrides["step_timeout_s"] = cfg.step_timeout_s  # said once a hang schedule ran
         t = self._target
         job = ElasticJob(cfg, init_fn=t.init_fn, shardings_fn=t.shardings_fn, mesh_fn=t.mesh_fn,
                          faults=plan.plan() if plan is not None else None)

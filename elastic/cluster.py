@@ -7,6 +7,8 @@ supervisor and agents, waits (bounded) until each agent has registered, and tear
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -34,8 +36,24 @@ def connect(address: str | None = None) -> bool:
     if address:
         ray.init(address=address, **common)
         return False
-    ray.init(address="local", include_dashboard=False, **common)
+    context = ray.init(address="local", include_dashboard=False, **common)
+    _start_reaper(context.address_info["session_dir"])
     return True
+
+
+_REAPERS: list[subprocess.Popen[bytes]] = []  # held so that no ResourceWarning fires while one still runs
+
+
+def _start_reaper(session_dir: str) -> None:
+    """Start ``elastic.reaper``: it ends the embedded cluster's processes if this process dies without
+    ``ray.shutdown()`` (SIGKILL included), and exits by itself after a normal shutdown."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    _REAPERS.append(subprocess.Popen(
+        [sys.executable, "-m", "elastic.reaper", "--pid", str(os.getpid()), "--session-dir", session_dir],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True,
+    ))
 
 
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client

@@ -31,7 +31,7 @@ def test_schedules_are_valid_faults_and_expect_a_give_up_only_below_min_slices(s
         assert all(0 <= f.at_step < DEMO.num_steps for f in s.faults)
         down, worst = set(), 0
         for f in s.faults:
-            if f.kind in ("kill", "silence"):
+            if f.kind in ("kill", "silence") or (f.kind == "hang" and f.slice is not None):  # a wedged slice
                 down.add(f.slice)
             elif f.kind == "revive":
                 down.discard(f.slice)
@@ -45,7 +45,9 @@ def test_the_job_shape_limits_the_scenarios():
                            tiers=Tiers(keeper_every=0))
     shape = JobShape.of(config)
     assert not shape.survives_two and shape.spare == 0
-    assert {s.scenario for s in schedules(1, 20, shape)} == {"every_slice", "transient", "straggler", "corrupt"}
+    drawn = schedules(1, 20, shape)
+    assert {s.scenario for s in drawn} == {"every_slice", "transient", "straggler", "corrupt", "hang"}
+    assert all(f.slice is None for s in drawn for f in s.faults if f.kind == "hang")  # no slice to spare
     assert {s.scenario for s in schedules(1, 4, DEMO, ["kill", "silence"])} == {"kill", "silence"}
     with pytest.raises(ConfigError, match="unknown chaos scenario"):
         schedule(1, 0, DEMO, ["meteor"])
@@ -69,3 +71,32 @@ def test_a_violation_names_its_schedule_and_how_to_replay_it():
     assert (violation["seed"], violation["index"], violation["scenario"]) == (7, 2, plan.scenario)
     assert violation["replay"] == "elastic chaos --seed 7 --index 2" and violation["evidence"]["repeats"] == [1]
     assert "exactly_once broken by" in str(result.violations[0])
+
+
+def test_hang_schedules_go_through_faults_and_wedge_a_slice_only_where_one_can_be_spared():
+    hangs = [s for s in schedules(4, 8 * len(CATALOGUE), DEMO) if s.scenario == "hang"]
+    assert len(hangs) == 8 and all(s.hangs and s.expect == "finish" for s in hangs)
+    assert {f.slice is None for s in hangs for f in s.faults if f.kind == "hang"} == {True, False}  # both kinds
+    for s in hangs:
+        (hang,) = [f for f in s.faults if f.kind == "hang"]
+        assert hang.phase == "step" and 1 <= hang.at_step < DEMO.num_steps // 2
+        planned = s.plan().faults
+        assert [(f.kind, f.slice, f.at_step) for f in planned if f.kind == "hang"] == [("hang", hang.slice,
+                                                                                       hang.at_step)]
+        assert s.seams() == ()  # elastic.Faults carries it out (and a revive), not the runner's seams
+        revives = [f for f in s.faults if f.kind == "revive"]
+        assert all(hang.slice is not None and r.slice == hang.slice and r.at_step > hang.at_step for r in revives)
+    assert not any(s.hangs for s in schedules(4, 8 * len(CATALOGUE), DEMO) if s.scenario != "hang")
+
+
+def test_extending_the_catalogue_keeps_the_earlier_draws():
+    """Scenarios added later are drawn after the first catalogue's in each round: (seed, index) with index below
+    its size replays what it drew before (here: the first catalogue alone, drawn through ``scenarios``)."""
+    first = [s.name for s in CATALOGUE if s.since == 1]
+    assert "hang" not in first and len(first) < len(CATALOGUE)
+    for seed in range(10):
+        assert schedules(seed, len(first), DEMO) == [
+            schedule(seed, i, DEMO, first) for i in range(len(first))]
+        assert schedule(seed, len(first), DEMO).scenario == "hang"  # then the later ones
+    # the draws other tests rely on (tests/integration/test_chaos.py: seed 8 begins with these two)
+    assert [s.scenario for s in schedules(8, 2, DEMO)] == ["kill", "corrupt"]
