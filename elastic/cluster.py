@@ -2,14 +2,19 @@
 
 ``connect`` joins the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets for its entry
 point) or starts an embedded one with ``ray.init(address="local")``. ``ActorGroup`` launches the
-supervisor and agents, waits (bounded) until each agent has registered, and tears them down.
+supervisor and agents, waits (bounded) until each agent has registered, and tears them down. With
+``Policy.respawn_every_s`` set, it also starts a replacement agent for each slice the supervisor lists as
+``respawnable`` (its agent died), at most once per ``respawn_every_s`` per slice: the client owns agent
+creation (and the incarnation counter that names agents ``agent-{slice}-{incarnation}``), so it respawns too.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -99,6 +104,14 @@ class ActorGroup:
         self._agent_nodes = dict(agent_nodes or {})
         self._agents: dict[int, Any] = {}
         self._incarnations: dict[int, int] = {}
+        self._lock = threading.RLock()  # agents are spawned on the client's thread and on the respawner's
+        self._started_at: dict[int, float] = {}  # when each slice's newest agent was started (monotonic)
+        self._starting: dict[int, tuple[int, Any, float]] = {}  # respawns in flight: slice -> (incarnation,
+        #                                                          its start() ref, deadline)
+        self._failed: dict[int, int] = {}  # slice -> a respawned incarnation that never registered
+        self._stop = threading.Event()
+        self._respawner: threading.Thread | None = None
+        self.respawns: list[tuple[int, int]] = []  # (slice, incarnation) the respawner started, in order
         self._log = get_logger("elastic.cluster", job=config.job_name)
         self.supervisor: Any = None
         self.log_path = os.path.join(
@@ -131,6 +144,10 @@ class ActorGroup:
             )
         ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
         ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
+        if cfg.policy.respawn_every_s is not None:
+            self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}",
+                                               daemon=True)
+            self._respawner.start()
 
     def _take_over(self, existing: Any) -> None:
         """Another client's supervisor runs for this job: take the job over if that client is gone (its
@@ -157,22 +174,97 @@ class ActorGroup:
     def spawn_agent(self, index: int, *, wait: bool = True) -> None:
         """Start a (new incarnation of the) agent of slice ``index``; a previous agent of that slice, even a
         silent one still alive, is killed first (a repaired slice has one agent)."""
-        cfg = self._config
-        previous = self._agents.pop(index, None)
-        if previous is not None:
-            _kill(previous)
-        incarnation = self._incarnations.get(index, -1) + 1
-        self._incarnations[index] = incarnation
-        options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
-                                   "lifetime": "detached"}
-        if index in self._agent_nodes:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
-        agent = SliceAgent.options(**options).remote(
-            index, incarnation, self.supervisor, cfg.heartbeat_interval_s, cfg.job_name
-        )
-        self._agents[index] = agent
+        agent = self._spawn(index)
         if wait:
-            ray.get(agent.start.remote(), timeout=cfg.startup_timeout_s)
+            ray.get(agent.start.remote(), timeout=self._config.startup_timeout_s)
+
+    def _spawn(self, index: int) -> Any:
+        cfg = self._config
+        with self._lock:
+            previous = self._agents.pop(index, None)
+            if previous is not None:
+                _kill(previous)
+            incarnation = self._incarnations.get(index, -1) + 1
+            self._incarnations[index] = incarnation
+            options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
+                                       "lifetime": "detached"}
+            if index in self._agent_nodes:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index],
+                                                                                soft=False)
+            agent = SliceAgent.options(**options).remote(
+                index, incarnation, self.supervisor, cfg.heartbeat_interval_s, cfg.job_name
+            )
+            self._agents[index] = agent
+            self._started_at[index] = time.monotonic()
+            self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
+            self._failed.pop(index, None)
+            return agent
+
+    # -- respawning (Policy.respawn_every_s) ----------------------------------------------------
+    def _respawn_loop(self) -> None:
+        every = self._config.policy.respawn_every_s
+        assert every is not None
+        while not self._stop.wait(min(every, 1.0)):
+            try:
+                self._respawn_once(every)
+            except Exception as err:  # noqa: BLE001 - e.g. the supervisor restarting: try again next time
+                self._log.warning("respawn_check_failed", error=repr(err))
+
+    def _respawn_once(self, every: float) -> None:
+        """Settle the respawns in flight, then start a new agent for each slice the supervisor lists as
+        respawnable whose newest agent (ours) is the dead one or never registered, whose node is alive, and
+        whose last agent started at least ``every`` seconds ago."""
+        self._settle_starts()
+        dead = ray.get(self.supervisor.respawnable.remote(), timeout=10)
+        alive: set[str] | None = None
+        for index, incarnation in sorted(dead.items()):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                current = self._incarnations.get(index)
+                if current is None or index in self._starting:
+                    continue
+                if current != incarnation and self._failed.get(index) != current:
+                    continue  # a newer agent holds the slice (a revive) or registers still
+                if time.monotonic() - self._started_at.get(index, -math.inf) < every:
+                    continue
+                node = self._agent_nodes.get(index)
+                if node is not None:
+                    alive = _alive_nodes() if alive is None else alive
+                    if node not in alive:  # dead hardware: a new agent could not start there
+                        continue
+                agent = self._spawn(index)
+                new = self._incarnations[index]
+                self._starting[index] = (new, agent.start.remote(),
+                                         time.monotonic() + self._config.startup_timeout_s)
+                self.respawns.append((index, new))
+                self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
+
+    def _settle_starts(self) -> None:
+        """Forget the respawned agents that registered; mark those that died first, or did not register within
+        ``startup_timeout_s`` (killed then), as failed: their slice may be respawned again."""
+        with self._lock:
+            starting = dict(self._starting)
+        for index, (incarnation, ref, deadline) in starting.items():
+            ready, _ = ray.wait([ref], timeout=0)
+            error = None
+            if ready:
+                try:
+                    ray.get(ref, timeout=10)
+                except Exception as err:  # noqa: BLE001 - it died before registering
+                    error = repr(err)
+            elif time.monotonic() > deadline:
+                error = f"did not register within startup_timeout_s={self._config.startup_timeout_s}"
+            else:
+                continue
+            with self._lock:
+                if self._starting.get(index, (None,))[0] != incarnation:
+                    continue  # superseded meanwhile
+                del self._starting[index]
+                if error is not None:
+                    self._failed[index] = incarnation
+                    _kill(self._agents[index])
+                    self._log.warning("agent_respawn_failed", slice=index, incarnation=incarnation, error=error)
 
     def agent(self, index: int) -> Any:
         return self._agents[index]
@@ -190,21 +282,44 @@ class ActorGroup:
         """Kill every actor of the job (they are detached, so nothing else would) and remove the event log.
 
         The supervisor is closed first: the agents' deaths that follow are neither judged nor logged, so no
-        write re-creates the log after it is gone.
+        write re-creates the log after it is gone. The respawner stops first; every ``agent-*`` actor of the
+        namespace is killed last, whoever started it.
         """
-        if self.supervisor is not None:
-            _close_supervisor(self.supervisor, self._config.job_name)
-        quiet = [agent.silence.remote() for agent in self._agents.values()]  # no heartbeat into a dead supervisor
-        ray.wait(quiet, num_returns=len(quiet), timeout=5)
-        for agent in self._agents.values():
-            _kill(agent)
-        if self.supervisor is not None:
-            _kill(self.supervisor)
-        self._agents.clear()
+        self._stop.set()
+        if self._respawner is not None:
+            self._respawner.join(timeout=30)
+        with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
+            if self.supervisor is not None:
+                _close_supervisor(self.supervisor, self._config.job_name)
+            quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
+            ray.wait(quiet, num_returns=len(quiet), timeout=5)
+            for agent in self._agents.values():
+                _kill(agent)
+            if self.supervisor is not None:
+                _kill(self.supervisor)
+            self._agents.clear()
+            self._starting.clear()
+            _sweep_agents(self._config.namespace)
         try:
             os.remove(self.log_path)
         except OSError:
             pass
+
+
+def _alive_nodes() -> set[str]:
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
+def _sweep_agents(namespace: str) -> None:
+    """Kill every ``agent-*`` actor left in ``namespace``."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith("agent-"):
+            continue
+        try:
+            actor = ray.get_actor(entry["name"], namespace=namespace)
+        except ValueError:  # gone meanwhile
+            continue
+        _kill(actor)
 
 
 def _kill(actor: Any) -> None:

@@ -44,17 +44,25 @@ class Policy:
 
     ``min_slices``: shrink while at least this many slices are healthy; below it, wait up to
     ``repair_timeout_s`` for repairs, then give up. ``max_slice_failures``: a slice that failed this
-    many times is not taken back (0: no limit).
+    many times is not taken back (0: no limit). ``respawn_every_s``: start a replacement agent for a slice
+    whose agent died (its node alive, the slice not quarantined and not seen failing by the client) at most
+    once per this many seconds per slice; None (the default): a dead agent's slice stays out until revived.
     """
 
     min_slices: int = 1
     repair_timeout_s: float = 60.0
     max_slice_failures: int = 0
+    respawn_every_s: float | None = None
 
     def __post_init__(self) -> None:
         _count("min_slices", self.min_slices)
         _positive("repair_timeout_s", self.repair_timeout_s)
         _count("max_slice_failures", self.max_slice_failures, 0, what="0 (no limit) or more")
+        if self.respawn_every_s is not None:
+            try:
+                _positive("respawn_every_s", self.respawn_every_s)
+            except ConfigError as err:
+                raise ConfigError(f"{err}; or None to turn respawning off") from err
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,8 +12,10 @@ and the agents it refuses; agents re-register on their next heartbeat.
 An agent silent past ``heartbeat_timeout_s`` is dropped, but not for good: when it beats again (a long GC
 pause), it re-registers and its slice rejoins through :func:`~elastic.policy.decide` like any repaired
 slice, each lapse counting as a failure towards ``max_slice_failures``. An agent that died, or whose slice
-the client saw fail, is refused for good: only a new incarnation brings its slice back. ``close`` ends
-supervision for good (the job is closing): it stops judging and logging and removes the event log.
+the client saw fail, is refused for good: only a new incarnation brings its slice back. With
+``Policy.respawn_every_s`` set, the client's :class:`~elastic.cluster.ActorGroup` starts that new incarnation
+for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
+``close`` ends supervision for good (the job is closing): it stops judging and logging and removes the event log.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from elastic.policy import GiveUp, Grow, HealthTally, Shrink, Stay, Wait, decide
 __all__ = ["Supervisor", "SUPERVISOR_NAME"]
 
 SUPERVISOR_NAME = "supervisor"
+_AGENT_DIED = "agent died"  # the cause of a refusal whose agent died (a respawnable slice)
+_CLIENT_REPORT = "client report: "  # the cause of a health event from the client's report_lost
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -51,6 +55,8 @@ class Supervisor:
         self._newest: dict[int, int] = {}  # the newest incarnation seen per slice: older ones are refused
         self._revoked: set[tuple[int, int]] = set()  # (slice, incarnation) dead or failed: never healthy again
         self._watched: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent's lifeline is watched
+        self._died: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent died (its lifeline failed)
+        self._client_lost: set[tuple[int, int]] = set()  # (slice, incarnation) whose slice the client saw fail
         self._closed = False
         self._events: list[dict[str, Any]] = []
         self._cond: asyncio.Condition | None = None
@@ -89,8 +95,12 @@ class Supervisor:
                 self._tally.add(HealthEvent(time=at, slice=s, healthy=e["healthy"], cause=e["cause"]))
                 if incarnation is not None:
                     self._newest[s] = max(self._newest.get(s, incarnation), incarnation)
+                    if e["cause"].startswith(_CLIENT_REPORT):
+                        self._client_lost.add((s, incarnation))
             elif e["kind"] == "refused":
                 self._revoked.add((e["slice"], e["incarnation"]))
+                if e["cause"] == _AGENT_DIED:
+                    self._died.add((e["slice"], e["incarnation"]))
         for s in self._tally.healthy:
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
@@ -184,7 +194,8 @@ class Supervisor:
             incarnation = self._newest.get(s)
             if incarnation is not None:
                 self._refuse(s, incarnation, "its slice failed in the client")
-            self._observe(s, False, f"client report: {cause}", incarnation=incarnation)
+                self._client_lost.add((s, incarnation))
+            self._observe(s, False, f"{_CLIENT_REPORT}{cause}", incarnation=incarnation)
         await self._evaluate()
         return self._view
 
@@ -196,7 +207,8 @@ class Supervisor:
             self._watched.difference_update(slices)
             lost = [(s, incarnation) for s, incarnation in slices if self._incarnations.get(s) == incarnation]
             for s, incarnation in slices:  # a dead agent never comes back (not even a late registration of it)
-                self._refuse(s, incarnation, "agent died")
+                self._refuse(s, incarnation, _AGENT_DIED)
+                self._died.add((s, incarnation))
             for s, incarnation in lost:
                 del self._incarnations[s]
                 self._observe(s, False, f"agent died: {type(err).__name__}", incarnation=incarnation)
@@ -264,6 +276,17 @@ class Supervisor:
     # -- queries -------------------------------------------------------------------------------
     async def view(self) -> View:
         return self._view
+
+    async def respawnable(self) -> dict[int, int]:
+        """The slices a new agent may bring back, each with the incarnation of its newest agent, which died:
+        no agent holds the slice now, and it is neither quarantined nor seen failing by the client (its
+        hardware is then suspect, and only a revive brings it back). A silent agent's slice is not listed: it
+        may beat again. Empty once closed or given up."""
+        if self._closed or self._view.gave_up is not None:
+            return {}
+        return {s: incarnation for s, incarnation in self._newest.items()
+                if (s, incarnation) in self._died and (s, incarnation) not in self._client_lost
+                and s not in self._incarnations and s not in self._tally.quarantined}
 
     async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
         """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""

@@ -32,6 +32,12 @@ POLICY_BAD = [
     ("repair-timeout-inf", {"repair_timeout_s": math.inf}, ("repair_timeout_s", "finite", "inf")),
     ("repair-timeout-str", {"repair_timeout_s": "60"}, ("repair_timeout_s", "number of seconds", "'60'")),
     ("repair-timeout-bool", {"repair_timeout_s": True}, ("repair_timeout_s", "number of seconds", "bool")),
+    ("respawn-every-zero", {"respawn_every_s": 0.0}, ("respawn_every_s", "positive", "or None")),
+    ("respawn-every-negative", {"respawn_every_s": -1.0}, ("respawn_every_s", "positive", "-1.0")),
+    ("respawn-every-inf", {"respawn_every_s": math.inf}, ("respawn_every_s", "finite", "inf")),
+    ("respawn-every-nan", {"respawn_every_s": math.nan}, ("respawn_every_s", "finite", "nan")),
+    ("respawn-every-str", {"respawn_every_s": "5"}, ("respawn_every_s", "number of seconds", "'5'")),
+    ("respawn-every-bool", {"respawn_every_s": True}, ("respawn_every_s", "number of seconds", "bool")),
 ]
 
 TIERS_BAD = [
@@ -154,6 +160,9 @@ def test_config_rejects(kwargs, words):
         pytest.param({"global_batch_size": 40}, id="global-batch-any-size-at-config"),
         pytest.param({"tiers": Tiers(keeper_every=0, persistent_dir="/tmp/ckpt")}, id="tiers"),
         pytest.param({"policy": Policy(min_slices=2, repair_timeout_s=5, max_slice_failures=0)}, id="policy"),
+        pytest.param({"policy": Policy(respawn_every_s=None)}, id="respawn-off"),
+        pytest.param({"policy": Policy(respawn_every_s=5)}, id="respawn-every-int"),
+        pytest.param({"policy": Policy(respawn_every_s=0.5)}, id="respawn-every-float"),
     ],
 )
 def test_config_accepts(kwargs):

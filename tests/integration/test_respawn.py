@@ -1,0 +1,133 @@
+"""Respawning (issue 7): with ``Policy.respawn_every_s`` set, a slice whose agent died gets a new agent on its node,
+at most once per ``respawn_every_s``, and rejoins through decide; without it, the slice stays out."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from elastic.cluster import ActorGroup
+from elastic.config import Policy
+from elastic.membership import View
+
+from .helpers import config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+EVERY_S = 1.0
+ALL4 = frozenset(range(4))
+
+
+def until(predicate: Callable[[], Any], bound_s: float, what: str) -> Any:
+    deadline = time.monotonic() + bound_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {bound_s}s")
+        time.sleep(0.05)
+    return value
+
+
+def named_actors(namespace: str) -> list[str]:
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace)
+
+
+def view_of(group: ActorGroup) -> View:
+    return ray.get(group.supervisor.view.remote(), timeout=30)
+
+
+def view_becomes(group: ActorGroup, active: frozenset[int], bound_s: float) -> View:
+    return until(lambda: (v := view_of(group)).active == active and v, bound_s, f"view over {sorted(active)}")
+
+
+@pytest.fixture
+def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
+    """``launch(respawn_every_s)``: an ActorGroup over 4 slices, every agent pinned to this node; at the end it
+    is shut down and its namespace must be empty."""
+    groups: list[ActorGroup] = []
+
+    def launch(respawn_every_s: float | None) -> ActorGroup:
+        here = ray.get_runtime_context().get_node_id()
+        cfg = config(f"respawn-{uuid.uuid4().hex[:8]}",
+                     policy=Policy(min_slices=2, repair_timeout_s=60.0, respawn_every_s=respawn_every_s))
+        group = ActorGroup(cfg, agent_nodes={i: here for i in range(4)})
+        groups.append(group)
+        group.launch()
+        assert view_of(group).active == ALL4
+        return group
+
+    try:
+        yield launch
+    finally:
+        for group in groups:
+            group.shutdown()
+            namespace = group._config.namespace  # noqa: SLF001
+            until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+
+
+def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
+    group = launched(EVERY_S)
+    namespace = group._config.namespace  # noqa: SLF001
+    t0 = time.monotonic()
+    group.kill_agent(1)  # ray.kill: the agent is gone for real, its node alive
+    view_becomes(group, ALL4 - {1}, 15)
+    back = view_becomes(group, ALL4, 15)
+    assert "back" in back.reason, back
+    assert time.monotonic() - t0 < 15
+    assert group.respawns == [(1, 1)], group.respawns
+    assert "agent-1-1" in named_actors(namespace) and "agent-1-0" not in named_actors(namespace)
+    time.sleep(3 * EVERY_S)  # a healthy replacement is not replaced again
+    assert group.respawns == [(1, 1)] and view_of(group).epoch == back.epoch
+
+
+def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
+    group = launched(EVERY_S)
+    namespace = group._config.namespace  # noqa: SLF001
+    group.kill_agent(1)
+    view_becomes(group, ALL4 - {1}, 15)
+    window_s, seen, next_incarnation = 8.0, [], 1
+    end = time.monotonic() + window_s
+    while time.monotonic() < end:  # kill every replacement as soon as it exists
+        try:
+            agent = ray.get_actor(f"agent-1-{next_incarnation}", namespace=namespace)
+        except ValueError:
+            time.sleep(0.02)
+            continue
+        seen.append(time.monotonic())
+        if next_incarnation % 2 == 0:
+            time.sleep(0.3)  # some die after registering (the supervisor sees them die), some before
+        ray.kill(agent, no_restart=True)
+        next_incarnation += 1
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert 2 <= len(seen) <= window_s / EVERY_S + 1, (seen, gaps)
+    assert all(g >= EVERY_S - 0.25 for g in gaps), gaps  # at most once per respawn_every_s (poll slack)
+    assert [s for s, _ in group.respawns] == [1] * len(group.respawns)
+    assert len(group.respawns) <= len(seen) + 1
+    assert view_of(group).active == ALL4 - {1}
+    view_becomes(group, ALL4, 15)  # left alone, the next replacement brings the slice back
+
+
+def test_without_respawn_every_s_nothing_is_respawned(launched):
+    group = launched(None)
+    namespace = group._config.namespace  # noqa: SLF001
+    group.kill_agent(1)
+    out = view_becomes(group, ALL4 - {1}, 15)
+    time.sleep(4.0)
+    assert view_of(group) == out
+    assert group.respawns == [] and not any(n.startswith("agent-1-") for n in named_actors(namespace))
+
+
+def test_a_slice_the_client_saw_fail_is_not_respawned(launched):
+    """A slice-loss error in the client means suspect hardware: its agent's death brings no replacement."""
+    group = launched(EVERY_S)
+    namespace = group._config.namespace  # noqa: SLF001
+    view = ray.get(group.supervisor.report_lost.remote([2], "test: its devices failed"), timeout=30)
+    assert view.active == ALL4 - {2}, view
+    group.kill_agent(2)
+    time.sleep(4 * EVERY_S)
+    assert group.respawns == [] and view_of(group).active == ALL4 - {2}
+    assert not any(n.startswith("agent-2-") for n in named_actors(namespace))
+    assert ray.get(group.supervisor.respawnable.remote(), timeout=30) == {}
