@@ -9,7 +9,13 @@ steps and slices. A fault has a *phase*, the moment in the job it strikes:
 - ``mid_step``: the step's computation is dispatched, its commit has not waited for it yet;
 - ``snapshot``: right after a commit that asked for a snapshot, while the snapshot is copied;
 - ``after_restore`` / ``after_reshard`` / ``after_grow``: the first pass of the loop after a restore from a
-  snapshot, a move of the live state onto fewer slices, or onto more, before its first step.
+  snapshot, a move of the live state onto fewer slices, or onto more, before its first step;
+- ``restore`` / ``reshard`` / ``grow``: inside that restore or move itself, its transfers dispatched and not yet
+  landed (the controller's ``during_prepare`` seam).
+
+Besides slices, a fault may strike the supervisor: ``supervisor_restart`` kills its actor so that Ray restarts it
+(it rebuilds its view from its event log), ``supervisor_lost`` kills it for good (the job must end with
+``SupervisorLostError`` within its bound, not train on unsupervised).
 
 Faults at phase ``step`` of the kinds ``elastic.Faults`` knows go through ``elastic.Faults`` (see
 :meth:`Schedule.plan`); the rest are carried out by :mod:`elastic.chaos_runner`. A ``hang`` (a step whose
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from elastic.config import ElasticConfig
@@ -33,9 +39,12 @@ from elastic.faults import Faults
 
 __all__ = ["CATALOGUE", "HANG_STEP_TIMEOUT_S", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
 
-Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow"]
-Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt"]
-Expect = Literal["finish", "give_up"]
+Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow", "restore", "reshard",
+                "grow"]
+Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart",
+               "supervisor_lost"]
+Expect = Literal["finish", "give_up", "supervisor_lost"]
+DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
 PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
 HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at most this (also when the target's is off)
 
@@ -219,6 +228,34 @@ def _after(phase: Phase) -> Build:
     return build
 
 
+def _during(phase: Phase) -> Build:
+    """The lead faults of ``after_<phase>``, then a second slice killed inside the restore or move itself."""
+    lead = _after(f"after_{phase}")  # type: ignore[arg-type]
+
+    def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+        faults, expect = lead(rng, shape)
+        return faults[:-1] + [replace(faults[-1], phase=phase)], expect
+
+    return build
+
+
+def _supervisor_restart(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """The supervisor is killed and restarted by Ray; a slice dies a few steps later: the restarted supervisor
+    must still see it."""
+    step = _early(rng, shape)
+    return [ChaosFault(kind="supervisor_restart", at_step=step),
+            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_later(rng, shape, step, gap=2))
+            ], "finish"
+
+
+def _supervisor_lost(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """The supervisor dies for good, then a slice: no recovery can be decided, so the job must end with
+    ``SupervisorLostError`` within its bound (not wait out ``recovery_timeout_s``, not train on unsupervised)."""
+    step = _early(rng, shape)
+    return [ChaosFault(kind="supervisor_lost", at_step=step),
+            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step + 1)], "supervisor_lost"
+
+
 def _two_down(shape: JobShape) -> bool:
     return shape.spare >= 2 and shape.survives_two
 
@@ -250,6 +287,17 @@ CATALOGUE: tuple[Scenario, ...] = (
     Scenario(name="hang", summary="a step never completes (a hung collective) until the step watchdog aborts it; "
              "every slice healthy, or one wedged", phases=("step",), build=_hang, applies=lambda shape: True,
              since=2),
+    Scenario(name="kill_during_restore", summary="a second slice dies while a restore's transfers are in flight",
+             phases=("restore",), build=_during("restore"), applies=_two_down, since=3),
+    Scenario(name="kill_during_reshard", summary="a slice dies while the live state moves onto fewer slices",
+             phases=("reshard",), build=_during("reshard"), applies=_two_down, since=3),
+    Scenario(name="kill_during_grow", summary="a slice dies while the live state moves back onto more slices",
+             phases=("grow",), build=_during("grow"), since=3),
+    Scenario(name="supervisor_restart", summary="the supervisor is killed and restarted; then a slice dies",
+             phases=("step",), build=_supervisor_restart, since=3),
+    Scenario(name="supervisor_lost", summary="the supervisor dies for good, then a slice: the job must end with "
+             "SupervisorLostError within its bound", phases=("step",), build=_supervisor_lost,
+             applies=lambda shape: True, since=3),
 )
 BY_NAME = {s.name: s for s in CATALOGUE}
 

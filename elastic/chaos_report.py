@@ -47,7 +47,7 @@ class ScheduleResult:
 
     @property
     def gave_up_as_expected(self) -> bool:
-        return self.schedule.expect == "give_up" and self.record.outcome == "gave_up" and self.verdict.ok
+        return self.schedule.expect != "finish" and self.record.outcome != "finished" and self.verdict.ok
 
     @property
     def violations(self) -> list[Violation]:

@@ -28,7 +28,7 @@ from elastic.chaos_report import ChaosResult, ScheduleResult
 from elastic.chaos_seams import Seams
 from elastic.cluster import cleanup, connect
 from elastic.config import ElasticConfig
-from elastic.errors import ConfigError, ElasticError, GiveUpError
+from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
 from elastic.job import ElasticJob
 from elastic.invariants import RunRecord, check
 from elastic.log import get_logger
@@ -181,6 +181,8 @@ class ChaosRunner:
         job = ElasticJob(cfg, init_fn=t.init_fn, shardings_fn=t.shardings_fn, mesh_fn=t.mesh_fn,
                          faults=plan.plan() if plan is not None else None)
         seams = Seams(plan, job) if plan is not None else None
+        if seams is not None:
+            job.during_prepare.append(seams.during)
         loop = seams.loop(t.loop) if seams is not None else t.loop
         box: dict[str, Any] = {"outcome": "hang", "error": None}
 
@@ -192,6 +194,8 @@ class ChaosRunner:
                         box["outcome"] = "finished"
                     except GiveUpError as err:
                         box.update(outcome="gave_up", error=str(err))
+                    except SupervisorLostError as err:
+                        box.update(outcome="supervisor_lost", error=str(err))
                     finally:
                         box.update(_snapshot_end(job))
             except ElasticError as err:

@@ -4,7 +4,8 @@
 ``after_reshard`` / ``after_grow`` faults (the timeline says what preceded the pass); the ``run`` the user
 loop receives fires ``step`` faults as each step starts (after ``elastic.Faults``' own), ``mid_step``
 faults before ``commit`` waits for the step, and ``snapshot`` faults right after it. It also records
-every commit in order (recomputed ones included), which the bounded-loss check reads.
+every commit in order (recomputed ones included), which the bounded-loss check reads. ``Seams.during`` is
+the job's ``during_prepare`` hook: it fires the ``restore`` / ``reshard`` / ``grow`` faults inside the move.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ class Seams:
 
         return chaos_loop
 
+    def during(self, phase: str, step: int, view: Any) -> None:
+        """The job's ``during_prepare`` hook: inject the faults due inside this restore or move (the first once
+        the loop has reached their step)."""
+        due = [f for f in self._pending if f.phase == phase and self._reached >= f.at_step]
+        for fault in due:
+            self._pending.remove(fault)
+            self._inject(fault, None, step)
+
     def _entered(self, run: Run) -> None:
         events = self._job.timeline.events
         kinds = {e["event"] for e in events[self._events_seen:]}
@@ -73,9 +82,14 @@ class Seams:
             self._pending.remove(fault)
             self._inject(fault, run, step)
 
-    def _inject(self, fault: ChaosFault, run: Run, step: int) -> None:
+    def _inject(self, fault: ChaosFault, run: Run | None, step: int) -> None:
         self._log.warning("chaos_fault", kind=fault.kind, phase=fault.phase, slice=fault.slice, step=step)
-        if fault.kind == "straggler":
+        if fault.kind in ("supervisor_restart", "supervisor_lost"):
+            for_good = fault.kind == "supervisor_lost"
+            self._job.timeline.add(f"inject_{fault.kind}", step=step)
+            self._job.report.failures_injected += 1
+            ray.kill(self._job.group.supervisor, no_restart=for_good)  # restartable: Ray starts it again
+        elif fault.kind == "straggler":
             self._job.timeline.add("inject_straggler", step=step, seconds=fault.seconds)
             time.sleep(fault.seconds or 0.0)
         elif fault.kind == "corrupt":

@@ -36,6 +36,7 @@ __all__ = ["Controller", "JobResult"]
 
 StepHook = Callable[[int], None]
 StepCallback = Callable[[int, dict[str, Any], Run], None]
+PrepareHook = Callable[[str, int, View], None]  # (phase: "restore" | "reshard" | "grow", step, view)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +50,8 @@ class Controller:
     def __init__(self, *, config: ElasticConfig, topology: runtime.Topology, mesh_fn: runtime.MeshFn | None,
                  shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
                  watcher: ViewWatcher, group: ActorGroup, accounting: Accounting,
-                 before_step: list[StepHook], on_step: StepCallback | None) -> None:
+                 before_step: list[StepHook], on_step: StepCallback | None,
+                 during_prepare: list[PrepareHook] | None = None) -> None:
         self.config = config
         self.num_steps = config.num_steps
         self.seed = config.seed
@@ -62,6 +64,8 @@ class Controller:
         self._group = group
         self._acct = accounting
         self._hooks = before_step
+        self._during = list(during_prepare or ())
+        self._active = 0  # how many slices the state was last placed on (a move onto more is a grow)
         self._on_step = on_step
         self._policy = SnapshotPolicy(every=config.snapshot_every, num_steps=config.num_steps)
         self._log = get_logger("elastic.controller", job=config.job_name)
@@ -161,8 +165,10 @@ class Controller:
             self._acct.timeline.add("detected", epoch=view.epoch, slices=len(view.active), reason=view.reason)
             self._recovering = False
         live, self._live = self._live, None
+        before, self._active = self._active, len(view.active)
         if action.live and live is not None:
             moved = runtime.guarded(runtime.reshard, devices)(live.state, shardings)
+            self._during_prepare("grow" if len(view.active) > before else "reshard", live.next_step, view)
             state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
             self._acct.timeline.add("resharded", step=live.next_step, slices=len(view.active), epoch=view.epoch)
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=live.next_step, extras=live.extras)
@@ -176,6 +182,7 @@ class Controller:
             self._save(0, state, {})
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
             return Ready()
+        self._during_prepare("restore", restored.step, view)
         state = runtime.wait_ready(restored.state, devices, timeout_s=self._wait_s,  # the copies have landed
                                    what=f"the restore of step {restored.step}")
         self._acct.restored(restored.meta, step=restored.step, tier=restored.tier, generation=restored.generation,
@@ -188,6 +195,11 @@ class Controller:
         self._snapshot_soon = True
         self._run = Run(self, view=view, mesh=mesh, state=state, start_step=restored.step, extras=extras)
         return Ready()
+
+    def _during_prepare(self, phase: str, step: int, view: View) -> None:
+        """The fault-injection seam inside a move: the transfers are dispatched, not yet waited on."""
+        for hook in self._during:
+            hook(phase, step, view)
 
     def _run_pass(self, machine: Machine) -> Event:
         assert self._run is not None and self._loop is not None

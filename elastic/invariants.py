@@ -17,7 +17,7 @@ import numpy as np
 __all__ = ["ATOL", "PromiseResult", "RunRecord", "Verdict", "check"]
 
 ATOL = 1e-5  # equivalence when the device count changed (tests/integration/test_equivalence.py); else bit for bit
-Outcome = Literal["finished", "gave_up", "error", "crashed", "hang"]
+Outcome = Literal["finished", "gave_up", "supervisor_lost", "error", "crashed", "hang"]
 Status = Literal["pass", "fail", "n/a"]
 
 
@@ -28,7 +28,7 @@ class RunRecord:
     keeper_every: int = 0  # every R-th snapshot reaches the keepers (0: no keeper tier)
     persistent_every: int | None = None
     outcome: Outcome = "finished"
-    expect: Literal["finish", "give_up"] = "finish"
+    expect: Literal["finish", "give_up", "supervisor_lost"] = "finish"
     error: str | None = None
     steps: tuple[int, ...] = ()  # the ledger: committed steps in the lineage of the final state
     batches: tuple[int, ...] = ()  # the batch each of those consumed
@@ -180,13 +180,17 @@ def no_hang(run: RunRecord) -> PromiseResult:
                     "error": run.error})
 
 
+_EXPECTED = {"finish": "finish", "give_up": "give up", "supervisor_lost": "end with SupervisorLostError"}
+
+
 def outcome(run: RunRecord) -> PromiseResult:
-    """Promises 4 and 5: every fault ends in recovery, or in a clear error (``GiveUpError``) where the faults
-    leave fewer than ``min_slices`` slices."""
-    wanted = "finished" if run.expect == "finish" else "gave_up"
-    said = {"finished": "finished", "gave_up": "gave up", "error": "ended in an error", "crashed": "crashed"}
+    """Promises 4 and 5: every fault ends in recovery, or in a clear error where the faults leave no way on:
+    ``GiveUpError`` (fewer than ``min_slices`` slices), ``SupervisorLostError`` (the supervisor gone for good)."""
+    wanted = {"finish": "finished", "give_up": "gave_up", "supervisor_lost": "supervisor_lost"}[run.expect]
+    said = {"finished": "finished", "gave_up": "gave up", "supervisor_lost": "ended with SupervisorLostError",
+            "error": "ended in an error", "crashed": "crashed"}
     problems = [] if run.outcome in (wanted, "hang") else [
-        f"expected the run to {run.expect.replace('_', ' ')}, it {said[run.outcome]}"
+        f"expected the run to {_EXPECTED[run.expect]}, it {said[run.outcome]}"
         + (f": {run.error}" if run.error else "")]
     return _result("outcome", problems, f"{run.outcome}, as expected", {"expect": run.expect, "outcome": run.outcome,
                                                                          "error": run.error})

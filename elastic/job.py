@@ -104,6 +104,9 @@ class ElasticJob:
         self._agent_nodes = agent_nodes
         self._on_step = on_step
         self._ray_address = ray_address
+        # Fault-injection seam (elastic.chaos): callables (phase, step, view) run inside each restore ("restore")
+        # and live move ("reshard", "grow"), once its transfers are dispatched and before they are waited on.
+        self.during_prepare: list[Callable[[str, int, View], None]] = []
         if not structlog.is_configured():  # events go to stderr unless the application set structlog up
             configure_logging()
         self._log = get_logger("elastic.job", job=config.job_name)
@@ -232,7 +235,7 @@ class ElasticJob:
         self.controller = controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
                                 shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
                                 watcher=self._watcher, group=self.group, accounting=self._acct,
-                                before_step=hooks, on_step=self._on_step)
+                                before_step=hooks, on_step=self._on_step, during_prepare=self.during_prepare)
         return controller.run(loop)
 
     @property

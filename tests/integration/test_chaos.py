@@ -123,3 +123,28 @@ def test_the_pytest_fixture_as_the_readme_shows(chaos_loaded, pytester):
     pytester.makepyfile(test_my_train=readme_block("# test_my_train.py"))
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")  # this process: jax and Ray already up
     result.assert_outcomes(passed=1)
+
+
+INSIDE_AND_SUPERVISOR = ["kill_during_restore", "kill_during_reshard", "kill_during_grow", "supervisor_restart",
+                         "supervisor_lost"]
+
+
+@pytest.mark.timeout(300)
+def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
+    """A slice killed while a restore's or a move's transfers are in flight, the supervisor restarted (a slice
+    lost afterwards is still seen), the supervisor gone for good (a clear SupervisorLostError within its bound)."""
+    result = elastic_chaos(seed=1, schedules=5, steps=30, scenarios=INSIDE_AND_SUPERVISOR)
+    assert result.ok, result.violations
+    runs = {r.schedule.scenario: r for r in result.results}
+    assert sorted(runs) == sorted(INSIDE_AND_SUPERVISOR)
+    for name, r in runs.items():
+        assert r.injected == len(r.schedule.faults), (name, r.injected, r.schedule.faults)  # each fired in its phase
+        assert {p.status for p in r.verdict.promises} <= {"pass", "n/a"}, (name, r.verdict)
+    assert {f.phase for name in INSIDE_AND_SUPERVISOR[:3] for f in runs[name].schedule.faults} >= {
+        "restore", "reshard", "grow"}
+    for name in INSIDE_AND_SUPERVISOR[:4]:
+        assert runs[name].recovered and runs[name].record.restores, name
+    lost = runs["supervisor_lost"]
+    assert lost.record.outcome == "supervisor_lost" and lost.gave_up_as_expected
+    assert "supervisor" in (lost.record.error or "").lower()
+    assert lost.record.seconds < 60  # max(5 x heartbeat_timeout_s, 10 s) after the kill, not recovery_timeout_s

@@ -46,7 +46,8 @@ def test_the_job_shape_limits_the_scenarios():
     shape = JobShape.of(config)
     assert not shape.survives_two and shape.spare == 0
     drawn = schedules(1, 20, shape)
-    assert {s.scenario for s in drawn} == {"every_slice", "transient", "straggler", "corrupt", "hang"}
+    assert {s.scenario for s in drawn} == {"every_slice", "transient", "straggler", "corrupt", "hang",
+                                                 "supervisor_lost"}
     assert all(f.slice is None for s in drawn for f in s.faults if f.kind == "hang")  # no slice to spare
     assert {s.scenario for s in schedules(1, 4, DEMO, ["kill", "silence"])} == {"kill", "silence"}
     with pytest.raises(ConfigError, match="unknown chaos scenario"):
@@ -100,3 +101,22 @@ def test_extending_the_catalogue_keeps_the_earlier_draws():
         assert schedule(seed, len(first), DEMO).scenario == "hang"  # then the later ones
     # the draws other tests rely on (tests/integration/test_chaos.py: seed 8 begins with these two)
     assert [s.scenario for s in schedules(8, 2, DEMO)] == ["kill", "corrupt"]
+
+
+def test_faults_inside_a_move_and_on_the_supervisor_are_drawn_as_built():
+    for s in schedules(5, 4 * len(CATALOGUE), DEMO):
+        phases = [f.phase for f in s.faults]
+        if s.scenario.startswith("kill_during_"):
+            inside = s.scenario.removeprefix("kill_during_")
+            assert phases.count(inside) == 1 and s.expect == "finish", s
+            (f,) = [f for f in s.faults if f.phase == inside]
+            lead = [g for g in s.faults if g.phase == "step" and g.kind in ("kill", "silence")]
+            assert f.kind == "kill" and f.slice not in {g.slice for g in lead}, s  # a second slice
+        elif s.scenario == "supervisor_restart":
+            assert [f.kind for f in s.faults] == ["supervisor_restart", "kill"] and s.expect == "finish", s
+            assert s.faults[1].at_step > s.faults[0].at_step
+        elif s.scenario == "supervisor_lost":
+            assert [f.kind for f in s.faults] == ["supervisor_lost", "kill"] and s.expect == "supervisor_lost", s
+        else:
+            assert not {"restore", "reshard", "grow"} & set(phases), s
+            assert not any(f.kind.startswith("supervisor") for f in s.faults), s

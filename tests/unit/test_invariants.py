@@ -104,6 +104,10 @@ def test_a_run_past_its_bound_is_a_hang(overrides, text):
     ({"outcome": "error", "error": "ElasticError: no tier can restore", "state": None},
      "expected the run to finish, it ended in an error: ElasticError: no tier can restore"),
     ({"outcome": "crashed", "error": "KeyError: 'w'", "state": None}, "it crashed: KeyError"),
+    ({"expect": "supervisor_lost"}, "expected the run to end with SupervisorLostError, it finished"),
+    ({"expect": "supervisor_lost", "outcome": "gave_up", "state": None},
+     "expected the run to end with SupervisorLostError, it gave up"),
+    ({"outcome": "supervisor_lost", "state": None}, "expected the run to finish, it ended with SupervisorLostError"),
 ])
 def test_an_unexpected_ending_breaks_the_outcome(overrides, text):
     assert text in failed(record(**overrides))["outcome"]
