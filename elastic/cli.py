@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from elastic.quiet import set_verbose
+
 __all__ = ["main"]
 
 
@@ -38,6 +40,8 @@ def _demo(args: argparse.Namespace) -> int:
     from elastic.progress import print_timeline
 
     configure_logging(logging.INFO if args.verbose else logging.ERROR)
+    if args.verbose:
+        set_verbose(True)
     spec = DemoSpec(steps=args.steps, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
                     kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
                     snapshot_every=args.snapshot_every)
@@ -65,6 +69,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from elastic.log import configure_logging
 
     configure_logging(logging.INFO if args.verbose else logging.ERROR)
+    if args.verbose:
+        set_verbose(True)
     scenarios = [s for s in args.scenarios.split(",") if s] if args.scenarios else None
     runner = ChaosRunner(args.target, seed=args.seed, steps=args.steps, timeout_s=args.timeout, scenarios=scenarios)
     _force_cpu_devices(runner.config.num_slices * runner.config.devices_per_slice)
@@ -111,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--revive-at", type=int, default=95)
     demo.add_argument("--snapshot-every", type=int, default=10)
     demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument("--verbose", action="store_true", help="structured events on stderr")
+    demo.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
     demo.set_defaults(func=_demo)
     chaos = sub.add_parser("chaos", help="run seeded fault schedules against a training loop; check every promise")
     chaos.add_argument("--seed", type=int, default=0)
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--scenarios", help="comma-separated catalogue names to draw from (default: all that fit)")
     chaos.add_argument("--timeout", type=float, default=120.0, help="seconds a schedule may run before it is a hang")
     chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
-    chaos.add_argument("--verbose", action="store_true", help="structured events on stderr")
+    chaos.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
     chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job-name", required=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from elastic import quiet
 from elastic.agent import SliceAgent
 from elastic.config import ElasticConfig
 from elastic.errors import SupervisorError
@@ -38,27 +38,33 @@ def connect(address: str | None = None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
+    quiet.route_ray_loggers()
+    with quiet.starting_ray():
+        if address:
+            ray.init(address=address, **common)
+        else:
+            context = ray.init(address="local", include_dashboard=False, **common)
+    quiet.route_ray_errors()
     if address:
-        ray.init(address=address, **common)
         return False
-    context = ray.init(address="local", include_dashboard=False, **common)
     _start_reaper(context.address_info["session_dir"])
     return True
 
 
-_REAPERS: list[subprocess.Popen[bytes]] = []  # held so that no ResourceWarning fires while one still runs
+_REAPERS: list[int] = []  # the pids of the reapers started here
 
 
 def _start_reaper(session_dir: str) -> None:
     """Start ``elastic.reaper``: it ends the embedded cluster's processes if this process dies without
-    ``ray.shutdown()`` (SIGKILL included), and exits by itself after a normal shutdown."""
+    ``ray.shutdown()`` (SIGKILL included), and exits by itself after a normal shutdown. Spawned with
+    ``posix_spawn`` in its own session: no at-fork hook runs here, and no ``Popen`` is left to warn at exit."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    _REAPERS.append(subprocess.Popen(
-        [sys.executable, "-m", "elastic.reaper", "--pid", str(os.getpid()), "--session-dir", session_dir],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        start_new_session=True,
-    ))
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "elastic.reaper", "--pid", str(os.getpid()),
+                                          "--session-dir", session_dir], env, file_actions=devnull, setsid=True)
+    _REAPERS.append(pid)
+    threading.Thread(target=os.waitpid, args=(pid, 0), name="reaper-wait", daemon=True).start()  # no zombie
 
 
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client

@@ -51,7 +51,8 @@ class Controller:
                  shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
                  watcher: ViewWatcher, group: ActorGroup, accounting: Accounting,
                  before_step: list[StepHook], on_step: StepCallback | None,
-                 during_prepare: list[PrepareHook] | None = None) -> None:
+                 during_prepare: list[PrepareHook] | None = None,
+                 initial_state: Callable[[Any], Any] | None = None) -> None:
         self.config = config
         self.num_steps = config.num_steps
         self.seed = config.seed
@@ -65,6 +66,7 @@ class Controller:
         self._acct = accounting
         self._hooks = before_step
         self._during = list(during_prepare or ())
+        self._initial_state = initial_state  # shardings -> the state at step 0 (None: init_fn's)
         self._active = 0  # how many slices the state was last placed on (a move onto more is a grow)
         self._on_step = on_step
         self._policy = SnapshotPolicy(every=config.snapshot_every, num_steps=config.num_steps)
@@ -176,9 +178,12 @@ class Controller:
         restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
         if restored is None:
             self._acct.fresh_start()
-            init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
-            state = runtime.wait_ready(init(jax.random.key(self.seed)), devices, timeout_s=self._wait_s,
-                                       what="the initial state")
+            if self._initial_state is not None:
+                state = runtime.guarded(self._initial_state, devices)(shardings)
+            else:
+                init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
+                state = init(jax.random.key(self.seed))
+            state = runtime.wait_ready(state, devices, timeout_s=self._wait_s, what="the initial state")
             self._save(0, state, {})
             self._run = Run(self, view=view, mesh=mesh, state=state, start_step=0, extras={})
             return Ready()

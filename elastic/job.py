@@ -25,6 +25,7 @@ from elastic.controller import Controller, JobResult, StepCallback
 from elastic.errors import ConfigError, ElasticError
 from elastic.faults import Faults
 from elastic.log import configure_logging, get_logger
+from elastic import orbax_io
 from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
 from elastic.run import Run
@@ -86,12 +87,15 @@ class ElasticJob:
     over the healthy slices' devices. ``agent_nodes`` pins slice agents to Ray nodes. ``microbatched``:
     the loop splits a batch that does not divide over the devices into micro-batches (as ``Trainer`` with
     ``optax_step`` does), so ``config.global_batch_size`` need not divide every device count.
+    ``init_from``: an Orbax checkpoint whose state replaces ``init_fn``'s at step 0; ``save_final_to``: a new
+    directory the final state is written to with Orbax at the end (see :mod:`elastic.orbax_io`).
     """
 
     def __init__(self, config: ElasticConfig, *, init_fn: InitFn, shardings_fn: ShardingsFn | None = None,
                  mesh_fn: runtime.MeshFn | None = None, faults: Faults | None = None,
                  agent_nodes: dict[int, str] | None = None, on_step: StepCallback | None = None,
-                 ray_address: str | None = None, microbatched: bool = False) -> None:
+                 ray_address: str | None = None, microbatched: bool = False,
+                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
         for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
@@ -119,6 +123,11 @@ class ElasticJob:
         if not jax.tree_util.tree_leaves(self._abstract):
             raise ConfigError(f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
                               "the state to train, a pytree of arrays (e.g. a dict of parameters)")
+        self._init_from = None
+        if init_from is not None:  # read at the first fresh start; its tree is checked now
+            self._init_from, _ = orbax_io.resolve(init_from)
+            orbax_io.check_matches(self._init_from, self._abstract)
+        self._save_final_to = None if save_final_to is None else orbax_io.check_new_directory(save_final_to)
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
             try:
@@ -235,8 +244,22 @@ class ElasticJob:
         self.controller = controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
                                 shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
                                 watcher=self._watcher, group=self.group, accounting=self._acct,
-                                before_step=hooks, on_step=self._on_step, during_prepare=self.during_prepare)
-        return controller.run(loop)
+                                before_step=hooks, on_step=self._on_step, during_prepare=self.during_prepare,
+                                initial_state=self._initial_state)
+        result = controller.run(loop)
+        if self._save_final_to is not None:
+            orbax_io.save_final(self._save_final_to, result.state)
+            self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
+            self._log.info("saved_final", path=str(self._save_final_to))
+        return result
+
+    @property
+    def _initial_state(self) -> Callable[[Any], Any] | None:
+        """``init_from``'s reader: the checkpoint's state on the given shardings (None: ``init_fn``)."""
+        path = self._init_from
+        if path is None:
+            return None
+        return lambda shardings: orbax_io.restore_onto(path, self._abstract, shardings)
 
     @property
     def ledger(self) -> Ledger:

@@ -39,7 +39,7 @@ print(json.dumps({"session_dir": session_dir, "pids": [[p.pid, p.create_time()] 
 if sys.argv[1:] == ["shutdown"]:
     from elastic.cluster import _REAPERS
     ray.shutdown()
-    print(json.dumps({"reaper": _REAPERS[0].pid}), flush=True)
+    print(json.dumps({"reaper": _REAPERS[0]}), flush=True)
 time.sleep(600)  # until SIGKILLed
 """
 
