@@ -34,6 +34,7 @@ gradients use per-chunk statistics.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,7 +45,7 @@ import optax
 from jax.sharding import Mesh
 
 import runtime
-from elastic.config import ElasticConfig
+from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
 from elastic.faults import Faults
 from elastic.job import ElasticJob, JobResult, ShardingsFn, StepCallback
@@ -235,24 +236,36 @@ class Trainer:
     def __init__(self, *, init_fn: Callable[[jax.Array], Any], step_fn: OptaxStep | Callable[..., Any],
                  batch_fn: Callable[[int], Any], config: ElasticConfig, shardings_fn: ShardingsFn | None = None,
                  mesh_fn: runtime.MeshFn | None = None, faults: Faults | None = None,
-                 on_step: StepCallback | None = None, agent_nodes: dict[int, str] | None = None) -> None:
+                 on_step: StepCallback | None = None, agent_nodes: dict[int, str] | None = None,
+                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None) -> None:
+        """``init_from`` / ``save_final_to``: as :class:`ElasticJob`'s (Orbax checkpoints). A step that does not
+        split a batch into micro-batches (a plain ``step_fn``, or an ``optax_step`` with ``aux_init`` that refuses
+        them) has its batch size checked here against every device count the job may run on: the declared
+        ``config.global_batch_size``, else the size of ``batch_fn(0)``."""
         if not callable(batch_fn) or not callable(init_fn):
             raise ConfigError("init_fn and batch_fn must be callables: init_fn(key) -> state, batch_fn(step) -> batch")
         self._batch_fn = batch_fn
         self._step = step_fn
         self._runner: StepRunner | None = None
+        whole = not isinstance(step_fn, OptaxStep) or step_fn.refuses_microbatches  # the batch must split as is
+        rows = config.global_batch_size
+        if whole and rows is None and callable(step_fn):  # learn the batch size from the first batch
+            rows = batch_rows(batch_fn(0), what="batch_fn(0) returned")
         if isinstance(step_fn, OptaxStep):
-            if step_fn.refuses_microbatches and config.global_batch_size is not None:
-                _check_splits(config.global_batch_size, config)
+            if step_fn.refuses_microbatches and rows is not None:
+                _check_splits(rows, config)
             full_init = lambda key: step_fn.init(init_fn(key))  # noqa: E731
             self._runner = StepRunner(step_fn)
         elif callable(step_fn):
+            if rows is not None and config.global_batch_size is None:  # a declared size is checked by the job
+                check_batch_splits(rows, config, what="batch_fn(0) returned a batch")
             full_init = init_fn
             self._fused = jax.jit(step_fn, donate_argnums=0)
         else:
             raise ConfigError(f"step_fn must be elastic.optax_step(...) or a callable, got {type(step_fn).__name__}")
         self.job = ElasticJob(config, init_fn=full_init, shardings_fn=shardings_fn, mesh_fn=mesh_fn, faults=faults,
-                              on_step=on_step, agent_nodes=agent_nodes, microbatched=isinstance(step_fn, OptaxStep))
+                              on_step=on_step, agent_nodes=agent_nodes, microbatched=isinstance(step_fn, OptaxStep),
+                              init_from=init_from, save_final_to=save_final_to)
 
     def fit(self) -> JobResult:
         """Train to ``config.num_steps``, surviving slice loss; returns the final state and the report."""

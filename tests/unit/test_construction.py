@@ -113,6 +113,25 @@ def test_trainer_checks_the_global_batch_unless_it_microbatches(monkeypatch):
         Trainer(init_fn=params, step_fn=lambda state, batch: (state, {}), batch_fn=batch_fn, config=cfg)
 
 
+def test_trainer_learns_the_batch_size_from_the_first_batch(monkeypatch):
+    """No declared global_batch_size: batch_fn(0) tells the size, and a batch a shrink would strand (32 rows on 8
+    devices, 6 after a slice is lost: the NNX tutorial's batch) is refused at construction, not after 20 steps."""
+    monkeypatch.setattr(elastic.job, "_use_compilation_cache", lambda job_name: None)
+    params = lambda key: {"w": jnp.zeros((4,))}  # noqa: E731
+    asked: list[int] = []
+
+    def batch_fn(step):
+        asked.append(step)
+        return np.zeros((32, 4), np.float32)
+
+    with pytest.raises(ConfigError, match=r"batch_fn\(0\) returned a batch of 32 rows does not split over 6 devices.*"
+                                          r"multiple of 24.*elastic.Trainer with elastic.optax_step"):
+        Trainer(init_fn=params, step_fn=lambda state, batch: (state, {}), batch_fn=batch_fn, config=_config())
+    assert asked == [0]
+    Trainer(init_fn=params, step_fn=optax_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1)),
+            batch_fn=batch_fn, config=_config()).job.close()  # micro-batches: any size goes
+
+
 class _Host:
     """The little a Run asks of its controller, for shard_batch."""
 
