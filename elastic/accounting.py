@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+from elastic.log import get_logger
 from elastic.membership import View
 from elastic.report import Ledger, Report, Timeline
 
 __all__ = ["Accounting"]
+
+_log = get_logger("elastic.accounting")
 
 
 class Accounting:
@@ -23,6 +27,8 @@ class Accounting:
         self._failure_at: float | None = None  # when the failure being recovered from was seen
         self._failed_step = -1
         self.failures_in_a_row = 0  # slice-loss errors before a step past ``_failed_step`` commits
+        # called after each commit with (step, view): per-step consumers (metrics, the progress events)
+        self.commit_sinks: list[Callable[[int, View], None]] = []
 
     # -- the happy path ----------------------------------------------------------------------
     def committed(self, step: int, batch: int, metrics: dict[str, Any], view: View) -> None:
@@ -36,6 +42,11 @@ class Accounting:
             self._failure_at = None
         if step >= self._failed_step:
             self.failures_in_a_row = 0
+        for sink in self.commit_sinks:
+            try:
+                sink(step, view)
+            except Exception as err:  # noqa: BLE001 - a sink never stops training
+                _log.warning("commit_sink_failed", sink=getattr(sink, "__qualname__", repr(sink)), error=repr(err))
 
     def meta(self, extras: dict[str, Any], seed: int) -> dict[str, Any]:
         """Controller state for a snapshot: the ledger as runs, the user's extras, the client pids."""

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.log import get_logger
+
 __all__ = ["Ledger", "Report", "Timeline"]
+
+_log = get_logger("elastic.report")
 
 
 class Ledger:
@@ -67,9 +72,16 @@ class Timeline:
     def __init__(self) -> None:
         self.start = time.time()
         self.events: list[dict[str, Any]] = []
+        self.sinks: list[Callable[[dict[str, Any]], None]] = []  # each event is passed on (event stream, metrics)
 
     def add(self, event: str, **detail: Any) -> None:
-        self.events.append({"t": round(time.time() - self.start, 3), "event": event, **detail})
+        record = {"t": round(time.time() - self.start, 3), "event": event, **detail}
+        self.events.append(record)
+        for sink in self.sinks:
+            try:
+                sink(record)
+            except Exception as err:  # noqa: BLE001 - a sink (metrics, the event stream) never stops training
+                _log.warning("timeline_sink_failed", sink=getattr(sink, "__qualname__", repr(sink)), error=repr(err))
 
 
 @dataclass(kw_only=True)
