@@ -1,4 +1,5 @@
-"""The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``."""
+"""The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
+``elastic plan --chips N --mtbf-hours-per-chip H [--json]``."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +100,35 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from elastic.errors import ConfigError
+    from elastic.planner import PlanInputs, plan
+
+    if (args.chips is None) == (args.slices is None and args.chips_per_slice is None):
+        raise ConfigError("give --chips N, or --slices N with --chips-per-slice K (not both)")
+    if args.chips is None and (args.slices is None or args.chips_per_slice is None):
+        raise ConfigError("--slices and --chips-per-slice go together")
+    chips = args.chips if args.chips is not None else args.slices * args.chips_per_slice
+    inputs = PlanInputs(chips=chips, mtbf_hours_per_chip=args.mtbf_hours_per_chip, step_seconds=args.step_seconds,
+                        snapshot_seconds=args.snapshot_seconds, restart_seconds=args.restart_seconds)
+    out = plan(inputs, seed=args.seed, horizon_failures=args.horizon_failures, horizon_hours=args.horizon_hours)
+    if args.json:
+        print(json.dumps(out.to_dict()), flush=True)
+        return 0
+    d = out.to_dict()
+    print(f"{chips} chips, {args.mtbf_hours_per_chip:g} h MTBF per chip: job MTBF {d['job_mtbf_hours']:.3f} h; "
+          f"step {args.step_seconds:g} s, snapshot {args.snapshot_seconds:g} s, restart {args.restart_seconds:g} s")
+    print(f"optimum {d['optimum_seconds']:.1f} s of work (Young sqrt(2CM) {d['young_seconds']:.1f} s, "
+          f"Daly {d['daly_seconds']:.1f} s): snapshot every {d['interval_steps']} steps")
+    print(f"simulated: {d['simulated_failures']:,} failures over {d['simulated_hours']:,.0f} h, seed {d['seed']}")
+    print(f"{'steps':>9} {'seconds':>10} {'expected':>9} {'1st order':>9} {'simulated':>9} {'diff':>9}")
+    for c in d["candidates"]:
+        mark = "  <- best" if c["steps"] == d["interval_steps"] else ""
+        print(f"{c['steps']:>9} {c['seconds']:>10.1f} {c['expected_goodput']:>9.4f} {c['first_order_goodput']:>9.4f} "
+              f"{c['simulated_goodput']:>9.4f} {c['simulated_goodput'] - c['expected_goodput']:>+9.5f}{mark}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job-name", required=True)
     clean.set_defaults(func=_cleanup)
+    plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")
+    plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
+    plan.add_argument("--slices", type=int)
+    plan.add_argument("--chips-per-slice", type=int)
+    plan.add_argument("--mtbf-hours-per-chip", type=float, required=True, help="mean hours between failures of one chip")
+    plan.add_argument("--step-seconds", type=float, default=1.0)
+    plan.add_argument("--snapshot-seconds", type=float, default=0.5,
+                      help="seconds training is blocked per snapshot (benchmarks/snapshot.py measures it)")
+    plan.add_argument("--restart-seconds", type=float, default=60.0,
+                      help="seconds from a failure to training again, without recomputation "
+                           "(benchmarks/recovery.py measures it)")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the simulated failures")
+    horizon = plan.add_mutually_exclusive_group()
+    horizon.add_argument("--horizon-failures", type=int, help="simulate this many failures (default 100,000)")
+    horizon.add_argument("--horizon-hours", type=float, help="simulate this many hours instead")
+    plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    plan.set_defaults(func=_plan)
     return parser
 
 
