@@ -11,6 +11,7 @@ iterator: when the membership view has changed, ``run.steps`` ends the pass befo
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from elastic.config import ElasticConfig, check_batch_splits
+from elastic.data import DataIterator, Source, open_data, record_positions
 from elastic.errors import ConfigError
 from elastic.membership import View
 from runtime import batch_sharding, guarded, hangs, wait_ready
@@ -76,6 +78,7 @@ class Run:
         self._devices = tuple(mesh.devices.flat)
         self._pending: int | None = None
         self._steps_started = False
+        self._data: dict[str, DataIterator] = {}
 
     @property
     def epoch(self) -> int:
@@ -132,7 +135,25 @@ class Run:
                    what=f"step {step}{' (the first of this pass)' if first else ''}", hint=self._hang_hint)
         self._pending = None
         self.state = state
+        record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
         self._host.committed(self, step, state, step if batch is None else batch, metrics)
+
+    def data(self, source: Source, *, name: str = "data") -> DataIterator:
+        """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
+        building an iterator with ``get_state``/``set_state``) positioned where the committed steps left it:
+        at the restored snapshot's position, or the last commit's on a live reshard. Call it once per pass and
+        ``next()`` it inside each step, before ``commit`` (see :mod:`elastic.data`)."""
+        if name in self._data:
+            raise ConfigError(f"run.data(name={name!r}) was already opened in this pass: give each pipeline its name")
+        self._data[name] = open_data(source, name=name, extras=self.extras, start_step=self.start_step,
+                                     current_step=lambda: self._pending)
+        return self._data[name]
+
+    def batches(self, source: Source, *, name: str = "data") -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` for each of ``run.steps``, one batch per step from ``run.data(source, name=name)``;
+        commit each step as usual."""
+        data = self.data(source, name=name)
+        return ((step, next(data)) for step in self.steps)
 
     @property
     def _hang_hint(self) -> str:
@@ -141,12 +162,16 @@ class Run:
 
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call
-        is recorded so that it is compiled ahead for the meshes the job may move to."""
+        is recorded so that it is compiled ahead for the meshes the job may move to. Refuses (``ConfigError``)
+        in-place NNX code, whose updates ``jax.jit`` would silently drop: an ``nnx.jit`` function, or a call
+        with NNX modules among the arguments (use ``elastic.flax_nnx.NnxAdapter.step``)."""
+        _check_functional(fn, None, None, where="run.jit")
         return self.guard(jax.jit(fn, **jit_kwargs))
 
     def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (already compiled or plain) dispatched through the runtime's guard; a ``jax.jit``
-        function's first call is recorded for standby compilation."""
+        function's first call is recorded for standby compilation (and refused, ``ConfigError``, when given
+        NNX modules, whose in-place updates ``jax.jit`` drops; an ``nnx.jit`` function keeps them)."""
         call = guarded(fn, self._devices)
         if not hasattr(fn, "lower"):
             return call
@@ -155,10 +180,11 @@ class Run:
         @functools.wraps(fn)
         def first_call_recorded(*args: Any, **kwargs: Any) -> Any:
             nonlocal recorded
+            nnx_transform = not recorded and _check_functional(fn, args, kwargs, where="run.jit/run.guard")
             out = call(*args, **kwargs)
             if not recorded:
                 recorded = True
-                if not kwargs:
+                if not kwargs and not nnx_transform:  # standby compiles jax.jit functions only
                     self._host.record_call(fn, args, self.mesh)
             return out
 
@@ -177,6 +203,15 @@ class Run:
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
         return jax.random.fold_in(jax.random.key(self._host.seed), step)
+
+
+def _check_functional(fn: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None, *, where: str) -> bool:
+    """``elastic.flax_nnx.check_functional`` once NNX is imported (flax is optional); else nothing to check."""
+    if "flax.nnx" not in sys.modules:
+        return False
+    from elastic.flax_nnx import check_functional
+
+    return check_functional(fn, args, kwargs, where=where)
 
 
 def batch_rows(batch: Any, *, what: str) -> int:
