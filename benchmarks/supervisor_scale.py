@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
 
+from elastic import events  # noqa: E402
 from elastic.agent import SliceGroupAgent  # noqa: E402
 from elastic.cluster import connect  # noqa: E402
 from elastic.config import Policy  # noqa: E402
@@ -121,10 +121,10 @@ class Actors:
                 pass
 
 
-def run(args: argparse.Namespace, job: str, actors: Actors, log_path: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, job: str, actors: Actors, run_id: str) -> dict[str, Any]:
     namespace = f"elastic-{job}"
     supervisor = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-        job, Policy(min_slices=1), args.timeout, args.interval / 2, log_path
+        job, Policy(min_slices=1), args.timeout, args.interval / 2, run_id
     )
     actors.supervisor = supervisor
     owner = {s: s % args.agents for s in range(args.slices)}
@@ -217,18 +217,14 @@ def main() -> None:
         parser.error("--timeout must exceed --interval")
 
     job = f"bench-scale-{uuid.uuid4().hex[:8]}"
-    log_path = os.path.join(tempfile.gettempdir(), f"elastic-{job}.events.jsonl")
     actors = Actors()
     connect()
     try:
-        out = run(args, job, actors, log_path)
+        out = run(args, job, actors, events.new_run(job))
     finally:
         actors.kill()
+        events.delete(job)
         ray.shutdown()
-        try:
-            os.remove(log_path)
-        except OSError:
-            pass
     print(json.dumps(out, indent=1))
 
 

@@ -1,5 +1,6 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
-``elastic plan --chips N --mtbf-hours-per-chip H [--json]``."""
+``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``, ``inject``
+(:mod:`elastic.ops_cli`) and ``cleanup``."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from elastic import ops_cli
 from elastic.quiet import set_verbose
 
 __all__ = ["main"]
@@ -43,6 +45,9 @@ def _demo(args: argparse.Namespace) -> int:
     configure_logging(logging.INFO if args.verbose else logging.ERROR)
     if args.verbose:
         set_verbose(True)
+    from elastic.ops import records_dir
+
+    os.environ.setdefault("ELASTIC_RECORD_DIR", str(records_dir()))  # so that `elastic report` finds the run
     spec = DemoSpec(steps=args.steps, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
                     kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
                     snapshot_every=args.snapshot_every)
@@ -95,8 +100,8 @@ def _cleanup(args: argparse.Namespace) -> int:
     from elastic.cluster import cleanup, connect
 
     connect()
-    killed = cleanup(args.job_name)
-    print(json.dumps({"job_name": args.job_name, "killed": killed}), flush=True)
+    killed = cleanup(args.job_name, purge_events=args.purge_events)
+    print(json.dumps({"job_name": args.job_name, "killed": killed, "events_purged": args.purge_events}), flush=True)
     return 0
 
 
@@ -163,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job-name", required=True)
+    clean.add_argument("--purge-events", action="store_true", help="also delete the job's event stream (all runs)")
+    clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")
     clean.set_defaults(func=_cleanup)
+    ops_cli.register(sub)
     plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")
     plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
     plan.add_argument("--slices", type=int)

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import sys
-import tempfile
 import threading
 import time
-import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from elastic import quiet
+from elastic import events, quiet
 from elastic.agent import SliceAgent
 from elastic.config import ElasticConfig
 from elastic.errors import SupervisorError
@@ -70,12 +70,13 @@ def _start_reaper(session_dir: str) -> None:
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
 
 
-def cleanup(job_name: str, *, keep_keepers: bool = False) -> list[str]:
+def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = False) -> list[str]:
     """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
 
     The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
     ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
-    supervisor is closed first, so its event log goes with it. Returns the names of the actors killed.
+    supervisor is closed first, so it writes no event about the agents' deaths. ``purge_events``: also
+    delete the job's event stream (every run). Returns the names of the actors killed.
     """
     namespace = ElasticConfig(job_name=job_name).namespace
     names = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
@@ -87,17 +88,18 @@ def cleanup(job_name: str, *, keep_keepers: bool = False) -> list[str]:
         except ValueError:  # gone meanwhile
             continue
         if name == SUPERVISOR_NAME:
-            _close_supervisor(actor, job_name)
+            _close_supervisor(actor, job_name, read_token(job_name))
         ray.kill(actor, no_restart=True)
         killed.append(name)
+    if purge_events:
+        events.delete(job_name)
     return sorted(killed)
 
 
-def _close_supervisor(supervisor: Any, job_name: str, timeout_s: float = 10.0) -> None:
-    """Stop a supervisor judging and logging and make it remove its event log (bounded: a dead or hung one is
-    only killed, next)."""
+def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
     try:
-        ray.get(supervisor.close.remote(), timeout=timeout_s)
+        ray.get(supervisor.close.remote(token), timeout=timeout_s)
     except Exception as err:  # noqa: BLE001 - it is killed next in any case
         get_logger("elastic.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
@@ -120,9 +122,8 @@ class ActorGroup:
         self.respawns: list[tuple[int, int]] = []  # (slice, incarnation) the respawner started, in order
         self._log = get_logger("elastic.cluster", job=config.job_name)
         self.supervisor: Any = None
-        self.log_path = os.path.join(
-            tempfile.gettempdir(), f"elastic-{config.job_name}-{uuid.uuid4().hex[:8]}.events.jsonl"
-        )
+        self.run: str | None = None  # the event stream's run (elastic.events): new, or the crashed client's
+        self.token = secrets.token_hex(16)  # the job's secret: the supervisor takes commands carrying it only
 
     def launch(self) -> None:
         """Start the supervisor and every agent; return once all registered and judging began."""
@@ -133,11 +134,13 @@ class ActorGroup:
             pass
         else:
             self._take_over(existing)
+        self.run = self.run or events.new_run(cfg.job_name)
         # On the client's node by preference: a host loss elsewhere must not take the supervisor with it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.supervisor = Supervisor.options(
             name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
-        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.log_path)
+        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
+        write_token(cfg.job_name, self.token)
         for index in range(cfg.num_slices):
             self.spawn_agent(index, wait=False)
         deadline = time.monotonic() + cfg.startup_timeout_s
@@ -159,6 +162,10 @@ class ActorGroup:
         """Another client's supervisor runs for this job: take the job over if that client is gone (its
         supervisor and agents are replaced, its keepers kept), refuse if it is alive."""
         cfg = self._config
+        try:  # the crashed client's run goes on: one stream tells the crash and the take-over
+            self.run = ray.get(existing.run_id.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead or older supervisor: its job's current run, if any
+            self.run = events.current_run(cfg.job_name)
         deadline = time.monotonic() + CLIENT_GONE_S + 5.0
         idle = 0.0
         while time.monotonic() < deadline:
@@ -285,18 +292,18 @@ class ActorGroup:
         return ray.get(self.supervisor.events.remote(), timeout=10)
 
     def shutdown(self) -> None:
-        """Kill every actor of the job (they are detached, so nothing else would) and remove the event log.
+        """Kill every actor of the job (they are detached, so nothing else would); the event stream stays.
 
-        The supervisor is closed first: the agents' deaths that follow are neither judged nor logged, so no
-        write re-creates the log after it is gone. The respawner stops first; every ``agent-*`` actor of the
-        namespace is killed last, whoever started it.
+        The supervisor is closed first: the agents' deaths that follow are neither judged nor written to the
+        stream. The respawner stops first; every ``agent-*`` actor of the namespace is killed last, whoever
+        started it.
         """
         self._stop.set()
         if self._respawner is not None:
             self._respawner.join(timeout=30)
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
-                _close_supervisor(self.supervisor, self._config.job_name)
+                _close_supervisor(self.supervisor, self._config.job_name, self.token)
             quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():
@@ -306,8 +313,38 @@ class ActorGroup:
             self._agents.clear()
             self._starting.clear()
             _sweep_agents(self._config.namespace)
+        remove_token(self._config.job_name, self.token)
+
+
+# -- the job's token, for the operator's commands (elastic inject) on the client's machine ---------------
+def token_path(job_name: str) -> Path:
+    """``$ELASTIC_HOME/tokens/<job>`` (default ``~/.elastic``): readable by the client's user only."""
+    return Path(os.environ.get("ELASTIC_HOME", "~/.elastic")).expanduser() / "tokens" / job_name
+
+
+def write_token(job_name: str, token: str) -> None:
+    path = token_path(job_name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+    except OSError as err:  # a read-only home: operators then pass --token
+        get_logger("elastic.cluster", job=job_name).warning("token_not_written", path=str(path), error=repr(err))
+
+
+def read_token(job_name: str) -> str | None:
+    try:
+        return token_path(job_name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove_token(job_name: str, token: str) -> None:
+    """Remove the token file if it is still this client's (a successor may have written its own)."""
+    if read_token(job_name) == token:
         try:
-            os.remove(self.log_path)
+            token_path(job_name).unlink()
         except OSError:
             pass
 

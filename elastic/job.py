@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,11 @@ from elastic.controller import Controller, JobResult, StepCallback
 from elastic.errors import ConfigError, ElasticError
 from elastic.faults import Faults
 from elastic.log import configure_logging, get_logger
-from elastic import orbax_io
+from elastic import events, orbax_io
+from elastic.events import EventStream
+from elastic.job_events import ClientEvents
 from elastic.membership import View
+from elastic.metrics import JobMetrics
 from elastic.report import Ledger, Report, Timeline
 from elastic.run import Run
 from elastic.testing import FaultInjector
@@ -34,7 +38,9 @@ from elastic.tiers import TierSet
 from elastic.watcher import ViewWatcher, supervisor_lost_after_s
 from snapshot import SnapshotInfo
 
-__all__ = ["ElasticJob", "JobResult"]
+__all__ = ["ElasticJob", "JobResult", "RECORD_DIR_ENV"]
+
+RECORD_DIR_ENV = "ELASTIC_RECORD_DIR"  # where jobs write their run record when record_dir is not given
 
 InitFn = Callable[[jax.Array], Any]
 ShardingsFn = Callable[[Mesh], Any]
@@ -89,13 +95,16 @@ class ElasticJob:
     ``optax_step`` does), so ``config.global_batch_size`` need not divide every device count.
     ``init_from``: an Orbax checkpoint whose state replaces ``init_fn``'s at step 0; ``save_final_to``: a new
     directory the final state is written to with Orbax at the end (see :mod:`elastic.orbax_io`).
+    ``record_dir`` (default ``$ELASTIC_RECORD_DIR``): at close, the run's event stream and report are written
+    to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.events`).
     """
 
     def __init__(self, config: ElasticConfig, *, init_fn: InitFn, shardings_fn: ShardingsFn | None = None,
                  mesh_fn: runtime.MeshFn | None = None, faults: Faults | None = None,
                  agent_nodes: dict[int, str] | None = None, on_step: StepCallback | None = None,
                  ray_address: str | None = None, microbatched: bool = False,
-                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None) -> None:
+                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None,
+                 record_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
         for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
@@ -128,6 +137,8 @@ class ElasticJob:
             self._init_from, _ = orbax_io.resolve(init_from)
             orbax_io.check_matches(self._init_from, self._abstract)
         self._save_final_to = None if save_final_to is None else orbax_io.check_new_directory(save_final_to)
+        self._record_dir = record_dir or os.environ.get(RECORD_DIR_ENV) or None
+        self._client_events: ClientEvents | None = None
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
             try:
@@ -187,6 +198,8 @@ class ElasticJob:
         if self._group is not None:
             return self
         self._ray_started = connect(self._ray_address)
+        # Ray metrics (elastic.metrics): always on once connected to Ray, cheap per step, never raise
+        JobMetrics(self.config.job_name, snapshot_stats=self._tiers.snapshot_stats).attach(self._acct)
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes)
         try:
             self._group.launch()
@@ -194,6 +207,9 @@ class ElasticJob:
         except BaseException:
             self.close()
             raise
+        if self._client_events is None:  # this client's share of the job's event stream
+            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
+            self._client_events = ClientEvents(stream, lambda: self._tiers.last_completed).attach(self._acct)
         self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
                                     lost_after_s=supervisor_lost_after_s(self.config))
         return self
@@ -207,6 +223,7 @@ class ElasticJob:
             self._watcher = None
         if self._group is not None:
             self._group.shutdown()
+            self._record()
             self._group = None
         if self.config.simulated:
             for s in self.topology.slices:
@@ -214,6 +231,18 @@ class ElasticJob:
         if self._ray_started:
             ray.shutdown()
             self._ray_started = False
+
+    def _record(self) -> None:
+        """With ``record_dir`` (or ``ELASTIC_RECORD_DIR``): write the run's event stream and report to
+        ``<record_dir>/<job>/<run>/``, for ``elastic report``/``events`` once the cluster is gone."""
+        if self._record_dir is None or self._group is None or self._group.run is None:
+            return
+        try:
+            records = events.read(self.config.job_name, self._group.run)
+            where = Path(self._record_dir) / self.config.job_name / self._group.run
+            events.dump(records, where, report=self.report.to_dict())
+        except Exception as err:  # noqa: BLE001 - a record is a convenience: the job's result stands
+            self._log.warning("record_failed", error=repr(err))
 
     def __enter__(self) -> ElasticJob:
         return self.start()

@@ -5,9 +5,10 @@ observation into a :class:`~elastic.policy.HealthTally` (so judging costs O(slic
 asks :func:`elastic.policy.decide` what to do, and publishes the answer as a new
 :class:`~elastic.membership.View` with a higher epoch. An agent holding many slices registers and
 heartbeats them in one call each (``register_slices``, ``heartbeats``). Clients wait on epoch changes with
-``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to a JSON-lines
-event log, from which a restarted supervisor rebuilds its view, its health history (so quarantine holds)
-and the agents it refuses; agents re-register on their next heartbeat.
+``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to the job run's event
+stream (:mod:`elastic.events`, in Ray's GCS), from which a restarted supervisor, on any node, rebuilds its
+view, its health history (so quarantine holds) and the agents it refuses; agents re-register on their next
+heartbeat; epochs continue.
 
 An agent silent past ``heartbeat_timeout_s`` is dropped, but not for good: when it beats again (a long GC
 pause), it re-registers and its slice rejoins through :func:`~elastic.policy.decide` like any repaired
@@ -15,12 +16,11 @@ slice, each lapse counting as a failure towards ``max_slice_failures``. An agent
 the client saw fail, is refused for good: only a new incarnation brings its slice back. With
 ``Policy.respawn_every_s`` set, the client's :class:`~elastic.cluster.ActorGroup` starts that new incarnation
 for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
-``close`` ends supervision for good (the job is closing): it stops judging and logging and removes the event log.
+``close`` ends supervision for good (the job is closing): it stops judging and writing events.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from dataclasses import asdict
@@ -29,6 +29,8 @@ from typing import Any
 import ray
 
 from elastic.config import Policy
+from elastic.errors import SupervisorError
+from elastic.events import EventStream
 from elastic.log import get_logger
 from elastic.membership import HealthEvent, View
 from elastic.policy import GiveUp, Grow, HealthTally, Shrink, Stay, Wait, decide
@@ -42,12 +44,15 @@ _CLIENT_REPORT = "client report: "  # the cause of a health event from the clien
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Supervisor:
-    def __init__(self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, log_path: str) -> None:
+    def __init__(self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str,
+                 token: str | None = None) -> None:
         self._job = job
         self._policy = policy
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._tick_s = tick_s
-        self._log_path = log_path
+        self._run = run
+        self._token = token  # the job's secret: commands (report_lost, close, inject) must carry it (None: open)
+        self._stream = EventStream(job, run, "supervisor")
         self._view = View()
         self._tally = HealthTally(policy)  # the health history, folded as it grows
         self._beats: dict[int, float] = {}
@@ -70,20 +75,18 @@ class Supervisor:
 
     # -- durable log ---------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
-        if self._closed:  # the job is closing: nothing may write the log again
+        if self._closed:  # the job is closing: nothing may write the stream again
             return
-        record = {"wall": time.time(), **record}
-        self._events.append(record)
-        with open(self._log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        kind = record.pop("kind")
+        self._events.append(self._stream.append(kind, **{"epoch": self._view.epoch, **record}))
 
     def _replay(self) -> None:
-        """Rebuild the view, the health history and the refused incarnations after a restart; the slices
-        healthy in the log count as healthy until their agents fail to re-register within a heartbeat timeout."""
-        if not os.path.exists(self._log_path):
+        """Rebuild the view, the health history and the refused incarnations after a restart (on any node)
+        from this run's event stream; the slices healthy in it count as healthy until their agents fail to
+        re-register within a heartbeat timeout."""
+        self._events = self._stream.mine()
+        if not self._events:
             return
-        with open(self._log_path, encoding="utf-8") as f:
-            self._events = [json.loads(line) for line in f if line.strip()]
         wall, now = time.time(), time.monotonic()
         for e in self._events:
             if e["kind"] == "view":
@@ -186,9 +189,19 @@ class Supervisor:
                 unknown.append(s)
         return unknown
 
-    async def report_lost(self, slices: list[int], cause: str) -> View:
+    def _authorize(self, token: str | None, command: str) -> None:
+        """``SupervisorError`` unless ``token`` is this job's secret (a command from another job's client, or
+        from an operator without the job's token, is refused and written to the stream)."""
+        if self._token is not None and token != self._token:
+            self._append({"kind": "refused_command", "command": command})
+            self._log.warning("command_refused", command=command)
+            raise SupervisorError(f"{command} refused: it does not carry job {self._job!r}'s token (commands are "
+                                  "accepted only from the job's own client, or an operator holding its token)")
+
+    async def report_lost(self, slices: list[int], cause: str, token: str | None = None) -> View:
         """A client saw these slices fail (e.g. its computation raised a slice-loss error): their agents are
         refused from now on, even if they still beat."""
+        self._authorize(token, "report_lost")
         for s in slices:
             self._incarnations.pop(s, None)
             incarnation = self._newest.get(s)
@@ -260,18 +273,40 @@ class Supervisor:
         async with self._condition():
             self._condition().notify_all()
 
-    async def close(self) -> None:
-        """End supervision for good (the job is closing): stop judging and logging, and remove the event log,
-        so that agents killed after this leave no trace. Call before killing the agents and this actor."""
+    async def close(self, token: str | None = None) -> None:
+        """End supervision for good (the job is closing): stop judging and writing events, so that agents
+        killed after this leave no trace in the stream. Call before killing the agents and this actor."""
+        self._authorize(token, "close")
+        if not self._closed:
+            self._append({"kind": "closed"})
         self._closed = True
         for task in [self._monitor, *self._watches]:
             if task is not None:
                 task.cancel()
-        try:
-            os.remove(self._log_path)
-        except FileNotFoundError:
-            pass
         self._log.info("supervisor_closed", epoch=self._view.epoch)
+
+    async def inject(self, kind: str, slice_index: int, token: str | None = None) -> dict[str, Any]:
+        """An operator's fault (``elastic inject``): ``kill`` kills the slice's agent actor (as its host dying
+        would: the slice is dropped at once), ``silence`` stops its heartbeats (a hung host: dropped after
+        ``heartbeat_timeout_s``). Written to the stream; returns what was done."""
+        self._authorize(token, f"inject {kind}")
+        if kind not in ("kill", "silence"):
+            raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill or silence")
+        incarnation = self._newest.get(slice_index)
+        if incarnation is None or (slice_index, incarnation) in self._revoked:
+            raise SupervisorError(f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})")
+        name = f"agent-{slice_index}-{incarnation}"
+        agent = ray.get_actor(name, namespace=f"elastic-{self._job}")
+        self._append({"kind": "inject", "fault": kind, "slice": slice_index, "incarnation": incarnation})
+        if kind == "kill":
+            ray.kill(agent, no_restart=True)
+        else:
+            agent.silence.remote()
+        return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
+
+    async def run_id(self) -> str:
+        """The run this supervisor writes events for (a client taking the job over writes to it too)."""
+        return self._run
 
     # -- queries -------------------------------------------------------------------------------
     async def view(self) -> View:
@@ -313,7 +348,8 @@ class Supervisor:
     async def events(self) -> list[dict[str, Any]]:
         return list(self._events)
 
-    async def usage(self) -> dict[str, float]:
-        """This supervisor's process id, the CPU seconds its process has used, and how many slices it
-        watches (for benchmarks and status reports)."""
-        return {"pid": os.getpid(), "cpu_s": time.process_time(), "slices": len(self._incarnations)}
+    async def usage(self) -> dict[str, Any]:
+        """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
+        it watches (for benchmarks and status reports)."""
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
+                "slices": len(self._incarnations)}

@@ -58,6 +58,7 @@ class TierSet:
         self._keepers: Any = None
         self._persistent: Any = None
         self._completed_count = 0
+        self.last_completed: tuple[int, str] | None = None  # (step, deepest tier) of the newest complete snapshot
         self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.tiers", job=config.job_name)
 
@@ -86,8 +87,15 @@ class TierSet:
     def _completed(self, info: SnapshotInfo) -> None:
         """On the snapshot thread, after each complete generation: feed the keepers every R-th one."""
         self._completed_count += 1
+        tier = "memory"
         if self._keepers is not None and self._completed_count % self._config.tiers.keeper_every == 0:
             self._keepers.push(self._snapshots.image())
+            tier = "keeper"
+        self.last_completed = (info.step, tier)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The in-memory tier's counters (snapshots taken, seconds blocked, bytes held), without waiting."""
+        return self._snapshots.stats()
 
     def latest(self) -> SnapshotInfo:
         self._wait()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import ray
 
-from elastic import Faults, SupervisorError
+from elastic import Faults, SupervisorError, events
 from elastic.agent import SliceAgent
 from elastic.cluster import ActorGroup
 from elastic.config import Policy
@@ -70,7 +70,7 @@ def supervised(ray_local):
     ``spawn(slice, incarnation)`` for replacement agents; every actor and the event log go at the end."""
     job = f"holes-{uuid.uuid4().hex[:8]}"
     namespace = f"elastic-{job}"
-    log_path = os.path.join(tempfile.gettempdir(), f"elastic-{job}.events.jsonl")
+    run = events.new_run(job)
     supervisors: list[Any] = []
     actors: list[Any] = []
 
@@ -82,7 +82,7 @@ def supervised(ray_local):
 
     def start(policy: Policy) -> tuple[Any, list[Any], Callable[[int, int], Any]]:
         sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-            job, policy, TIMEOUT_S, INTERVAL_S / 2, log_path)
+            job, policy, TIMEOUT_S, INTERVAL_S / 2, run)
         supervisors.append(sup)
         agents = [spawn(sup, s, 0) for s in range(4)]
         view = ray.get(sup.start.remote(), timeout=30)
@@ -93,8 +93,7 @@ def supervised(ray_local):
         yield start
     finally:
         close_then_kill(supervisors, actors)
-        if os.path.exists(log_path):
-            os.remove(log_path)
+        events.delete(job)
 
 
 def test_a_slice_whose_agent_stalls_past_the_heartbeat_timeout_rejoins(supervised):
@@ -225,29 +224,45 @@ def exited(pid: int) -> bool:
     return False
 
 
+def temp_files(job: str) -> list[str]:
+    return [n for n in os.listdir(tempfile.gettempdir()) if job in n]
+
+
+def closed_last(job: str, run: str) -> bool:
+    """The supervisor's last record of the run is its close: the agents' deaths after it were not written."""
+    mine = events.read(job, run, writers=["supervisor"])
+    return bool(mine) and mine[-1]["kind"] == "closed"
+
+
 def test_closing_actors_leaves_no_file_and_no_actor(ray_local):
-    """Defect 5: once the supervisor's process has exited (nothing can write any more), no event log is left.
-    The agents' deaths used to be logged by the dying supervisor after the log was removed."""
+    """Defect 5: once the supervisor's process has exited (nothing can write any more), no file is left and
+    nothing was written after the close. The agents' deaths used to be logged by the dying supervisor after
+    its log was removed (the log then lived in the temp directory; it now lives in Ray's GCS)."""
     for i in range(3):  # it was a race, lost most of the time
-        group = ActorGroup(config(f"no-leftovers-{i}"))
+        job = f"no-leftovers-{uuid.uuid4().hex[:6]}-{i}"
+        group = ActorGroup(config(job))
         group.launch()
         pid = ray.get(group.supervisor.usage.remote(), timeout=30)["pid"]
         group.shutdown()
         until(lambda: exited(pid), 15, "exit of the supervisor's process")
-        namespace = f"elastic-no-leftovers-{i}"
+        namespace = f"elastic-{job}"
         until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
-        assert not os.path.exists(group.log_path), i
+        assert not temp_files(job), temp_files(job)
+        assert closed_last(job, group.run), events.read(job, group.run)[-3:]
+        events.delete(job)
 
 
 def test_closing_a_job_leaves_no_file_and_no_actor(ray_local):
     """Defect 5, through ElasticJob: after close, no actor of the job and no event log."""
-    job, loop = ledger_job("no-leftovers", num_steps=10)
+    name = f"no-leftovers-{uuid.uuid4().hex[:6]}"
+    job, loop = ledger_job(name, num_steps=10)
     with job:
         job.run(loop)
-        log_path = job.group.log_path
+        run = job.group.run
         pid = ray.get(job.group.supervisor.usage.remote(), timeout=30)["pid"]
-        assert os.path.exists(log_path)
     namespace = job.config.namespace
     until(lambda: exited(pid), 15, "exit of the supervisor's process")
     until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
-    assert not os.path.exists(log_path)
+    assert not temp_files(name), temp_files(name)
+    assert closed_last(name, run)
+    events.delete(name)

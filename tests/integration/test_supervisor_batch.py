@@ -3,14 +3,13 @@ a slice whose beats stop is found within 2 x the heartbeat timeout, and an agent
 slices at once."""
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 import uuid
 
 import pytest
 import ray
 
+from elastic import events
 from elastic.agent import SliceGroupAgent
 from elastic.config import Policy
 from elastic.supervisor import SUPERVISOR_NAME, Supervisor
@@ -26,9 +25,8 @@ def group(ray_local):
     """A supervisor over 64 slices held by 2 SliceGroupAgents (slice s on agent s % 2), started."""
     job = f"batch-{uuid.uuid4().hex[:8]}"
     namespace = f"elastic-{job}"
-    log_path = os.path.join(tempfile.gettempdir(), f"elastic-{job}.events.jsonl")
     sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, log_path)
+        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, events.new_run(job))
     agents = [SliceGroupAgent.options(namespace=namespace).remote(
         {s: 0 for s in range(a, SLICES, AGENTS)}, sup, INTERVAL_S, job) for a in range(AGENTS)]
     try:
@@ -38,12 +36,11 @@ def group(ray_local):
         assert view.active == frozenset(range(SLICES)), view
         yield sup, agents
     finally:
-        ray.get(sup.close.remote(), timeout=30)  # it logs nothing more: the agents' deaths leave no file
+        ray.get(sup.close.remote(), timeout=30)  # it writes nothing more: the agents' deaths leave no event
         ray.wait([agent.silence.remote() for agent in agents], num_returns=len(agents), timeout=5)
         for actor in [*agents, sup]:
             ray.kill(actor, no_restart=True)
-        if os.path.exists(log_path):
-            os.remove(log_path)
+        events.delete(job)
 
 
 def lost_events(sup) -> list[dict]:

@@ -1,0 +1,141 @@
+"""One durable event stream per job run, in Ray's GCS key-value store: it outlives any node but the head.
+
+Every writer of a run (the supervisor, each client process) appends records under its own keys,
+``<job>/<run>/<writer>/<seq>`` in the KV namespace ``elastic-events``; a reader merges them by wall time.
+A record is a flat JSON object with ``wall`` (seconds since the epoch), ``writer``, ``seq`` and ``kind``:
+the supervisor's observations (``health``), refusals, decisions (``wait``, ``view`` with its reason), and the
+client's timeline (``timeline``: failures, recovery phases, snapshots, restores) and progress (``progress``:
+step, step rate, slices, last snapshot and its tier). ``run`` ties the records to one start of the job (a
+new client taking a job over keeps its run); the KV key ``<job>/current`` names the newest run.
+
+Bounded: each writer keeps its newest ``keep`` records (``DEFAULT_KEEP``), older ones are deleted as new
+ones land (a reader sees the gap in ``seq``), and a job keeps its newest ``KEEP_RUNS`` runs. A supervisor restarted elsewhere reads its own records back and
+continues the sequence. ``delete(job)`` (``elastic cleanup``) removes a job's stream; an embedded cluster's
+stream goes with the cluster, so the CLI also writes a finished run's stream to a directory (``dump``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ray.experimental import internal_kv as kv
+
+__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "runs"]
+
+NAMESPACE = "elastic-events"
+DEFAULT_KEEP = 50_000  # records per writer (~200 bytes each: ~10 MB per writer at most)
+KEEP_RUNS = 5  # runs kept per job name
+
+
+def _key(*parts: object) -> bytes:
+    return "/".join(str(p) for p in parts).encode()
+
+
+def new_run(job: str, *, keep_runs: int = KEEP_RUNS) -> str:
+    """A fresh run id for ``job``, recorded as its current run; runs older than the newest ``keep_runs`` go."""
+    known = runs(job)
+    for old in known[: max(0, len(known) - keep_runs + 1)]:
+        kv._internal_kv_del(_key(job, old, ""), del_by_prefix=True, namespace=NAMESPACE)
+    now = time.time()  # ids sort by start time, to the microsecond
+    run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:4]}"
+    EventStream(job, run, "job").append("run_started", job=job, run=run)  # the run exists from its start
+    kv._internal_kv_put(_key(job, "current"), run.encode(), namespace=NAMESPACE)
+    return run
+
+
+def current_run(job: str) -> str | None:
+    value = kv._internal_kv_get(_key(job, "current"), namespace=NAMESPACE)
+    return value.decode() if value else None
+
+
+def runs(job: str) -> list[str]:
+    """The runs of ``job`` with records in the store, oldest first (run ids sort by start time)."""
+    keys = kv._internal_kv_list(_key(job, ""), namespace=NAMESPACE)
+    return sorted({k.decode().split("/")[1] for k in keys if k.count(b"/") >= 3})
+
+
+class EventStream:
+    """Appends records of one writer of one run. Thread-safe; a failed write is counted, never raised."""
+
+    def __init__(self, job: str, run: str, writer: str, *, keep: int = DEFAULT_KEEP) -> None:
+        self.job, self.run, self.writer, self.keep = job, run, writer, keep
+        self._lock = threading.Lock()
+        prefix = _key(job, run, writer, "")
+        seqs = [int(k.rsplit(b"/", 1)[1]) for k in kv._internal_kv_list(prefix, namespace=NAMESPACE)]
+        self._next = max(seqs, default=-1) + 1  # a restarted writer continues its sequence
+        self.failed = 0
+
+    def append(self, kind: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            seq, self._next = self._next, self._next + 1
+        record = {"wall": round(time.time(), 6), "writer": self.writer, "seq": seq, "kind": kind, **fields}
+        try:
+            kv._internal_kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"),
+                                json.dumps(record, default=str).encode(), namespace=NAMESPACE)
+            if seq >= self.keep:
+                kv._internal_kv_del(_key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"),
+                                    namespace=NAMESPACE)
+        except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the record is lost, counted
+            self.failed += 1
+        return record
+
+    def mine(self) -> list[dict[str, Any]]:
+        """This writer's records in this run, in order (a restarted writer's replay)."""
+        return read(self.job, self.run, writers=[self.writer])
+
+
+def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = None,
+         after: tuple[float, str, int] | None = None) -> list[dict[str, Any]]:
+    """The records of ``run`` (default: the current run), merged by (wall, writer, seq); only those of
+    ``writers`` if given, only those sorting after ``after`` if given (``events --follow``)."""
+    run = run or current_run(job)
+    if run is None:
+        return []
+    keys = kv._internal_kv_list(_key(job, run, ""), namespace=NAMESPACE)
+    if writers is not None:
+        wanted = {w.encode() for w in writers}
+        keys = [k for k in keys if k.split(b"/")[2] in wanted]
+    if not keys:
+        return []
+    values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())
+    records = [json.loads(v) for v in values.values() if v]
+    records.sort(key=_order)
+    if after is not None:
+        records = [r for r in records if _order(r) > after]
+    return records
+
+
+def _order(record: dict[str, Any]) -> tuple[float, str, int]:
+    return (record["wall"], record["writer"], record["seq"])
+
+
+def delete(job: str) -> int:
+    """Remove every record of ``job`` (all runs); the number of keys removed."""
+    return kv._internal_kv_del(_key(job, ""), del_by_prefix=True, namespace=NAMESPACE)
+
+
+def dump(records: list[dict[str, Any]], directory: str | os.PathLike, *, report: dict[str, Any] | None = None) -> Path:
+    """Write a run's records (``events.jsonl``) and its report (``report.json``) to ``directory``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "events.jsonl", "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
+    if report is not None:
+        (out / "report.json").write_text(json.dumps(report, default=str))
+    return out
+
+
+def load(directory: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A dumped run: its records and report (None if it has none)."""
+    path = Path(directory)
+    with open(path / "events.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    report = json.loads((path / "report.json").read_text()) if (path / "report.json").exists() else None
+    return records, report
