@@ -87,15 +87,15 @@ def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
     assert snap.step == 15 and trainer.job.ledger.steps == list(range(17))
 
 
-def test_plain_step_fn_with_indivisible_batch_after_shrink_says_what_to_do(ray_local):
+def test_plain_step_fn_with_indivisible_batch_after_shrink_is_refused_when_built(ray_local):
+    """8 rows split over 8 devices but not over 6 or 4: refused when the Trainer is built (it learns the size from
+    batch_fn(0)), not after the shrink; the message says what to do."""
     def step_fn(state, batch):
         return jax.tree_util.tree_map(lambda w: w + batch.mean(), state), {"loss": batch.mean()}
 
-    trainer = Trainer(init_fn=_init, step_fn=step_fn, batch_fn=lambda step: np.ones((8,), np.float32),
-                      config=config("plain-indivisible", num_steps=10), faults=Faults().kill_slice(0, at_step=3))
-    with pytest.raises(ConfigError, match="elastic.optax_step"):
-        trainer.fit()
-    assert trainer.job.latest_snapshot().step == 0
+    with pytest.raises(ConfigError, match=r"batch_fn\(0\) returned a batch of 8 rows.*elastic.optax_step"):
+        Trainer(init_fn=_init, step_fn=step_fn, batch_fn=lambda step: np.ones((8,), np.float32),
+                config=config("plain-indivisible", num_steps=10), faults=Faults().kill_slice(0, at_step=3))
 
 
 def test_leaf_that_would_not_split_after_a_shrink_fails_at_once():
