@@ -33,7 +33,14 @@ def _stdout_for_result() -> TextIO:
     return result
 
 
+_DEMO_DEFAULTS = {"slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
+                  "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5}}
+
+
 def _demo(args: argparse.Namespace) -> int:
+    for name, value in _DEMO_DEFAULTS["multi-process" if args.scenario == "multi-process" else "slice-loss"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _force_cpu_devices(args.slices * args.devices_per_slice)
@@ -52,7 +59,14 @@ def _demo(args: argparse.Namespace) -> int:
                     kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
                     snapshot_every=args.snapshot_every)
     connect()
-    if args.scenario == "client-crash":
+    if args.scenario == "multi-process":
+        from elastic.mc_demo import McDemoSpec, run_mc_demo
+
+        out = run_mc_demo(McDemoSpec(steps=spec.steps, num_slices=spec.num_slices,
+                                     devices_per_slice=spec.devices_per_slice, kill_slice=spec.kill_slice,
+                                     kill_at=spec.kill_at, revive_at=spec.revive_at,
+                                     snapshot_every=spec.snapshot_every), verify=args.verify)
+    elif args.scenario == "client-crash":
         from elastic.crash_demo import run_client_crash
 
         out = run_client_crash(spec, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
@@ -138,19 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
-    demo.add_argument("--scenario", choices=("slice-loss", "client-crash"), default="slice-loss",
+    demo.add_argument("--scenario", choices=("slice-loss", "client-crash", "multi-process"), default="slice-loss",
                       help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
-                           "and a new client resumes from the keeper tier")
+                           "and a new client resumes from the keeper tier; multi-process: one worker process per "
+                           "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
+                           "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5)")
     demo.add_argument("--kill-client-at", type=int, default=75, help="client-crash: the step the client dies at")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
-    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--steps", type=int, default=None, help="default 150 (multi-process: see --scenario)")
     demo.add_argument("--slices", type=int, default=4)
     demo.add_argument("--devices-per-slice", type=int, default=2)
     demo.add_argument("--kill-slice", type=int, default=1)
-    demo.add_argument("--kill-at", type=int, default=55)
-    demo.add_argument("--revive-at", type=int, default=95)
-    demo.add_argument("--snapshot-every", type=int, default=10)
+    demo.add_argument("--kill-at", type=int, default=None, help="default 55 (multi-process: see --scenario)")
+    demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")
+    demo.add_argument("--snapshot-every", type=int, default=None, help="default 10 (multi-process: see --scenario)")
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
     demo.set_defaults(func=_demo)

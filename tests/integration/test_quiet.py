@@ -1,4 +1,5 @@
-"""A normal run is quiet: no Python warning, no Ray notice, nothing of Ray's on stdout; ``-v`` brings Ray's back."""
+"""A normal run is quiet: no Python warning, no Ray notice, nothing of Ray's on stdout (``-v`` and ELASTIC_VERBOSE:
+tests/unit/test_quiet.py)."""
 from __future__ import annotations
 
 import os
@@ -51,9 +52,3 @@ def test_a_normal_run_prints_no_warning_and_no_ray_notice():
     assert proc.stdout.splitlines() == ["RESULT 40"], proc.stdout  # nothing of Ray's on stdout
     for noise in ("Warning", "os.fork()", "Token authentication", "(raylet)", "retries remaining"):
         assert noise not in proc.stderr, f"{noise!r} on stderr:\n{proc.stderr[-3000:]}"
-
-
-def test_verbose_brings_rays_messages_back_on_stderr():
-    proc = run({"ELASTIC_VERBOSE": "1"})
-    assert proc.stdout.splitlines() == ["RESULT 40"], proc.stdout
-    assert "Token authentication" in proc.stderr, proc.stderr[-3000:]

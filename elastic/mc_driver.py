@@ -1,0 +1,297 @@
+"""The driver of a multi-controller job: the process ``ray job submit`` (or ``elastic demo``) runs. Never restarted.
+
+It hosts each group's coordination service (:class:`runtime.distributed.CoordinationService`: a worker that
+dies must not take the service with it), starts one :class:`elastic.mc_worker.SliceWorker` actor (one process)
+per slice, hands every member the group's plan, and watches the pass (bounded): a worker's death shows as its
+``run_group`` call failing with a Ray actor error (its process is gone), the survivors' as status ``failed``
+once their next collective breaks (within the collective timeout). Membership is decided by the same pure
+:func:`elastic.policy.decide` as in single-controller mode; the survivors then re-form IN PLACE (same processes)
+over a new service on a new port, and resume from the newest step whose whole state they hold between them
+(own shards, buddy copies of the dead worker's). A slice added back (:meth:`McDriver.add_slice`) joins at a step
+boundary: the group stops before a step, snapshots there, and re-forms with the new worker, which fetches its
+shards from its peers. The report counts what the promises are about: the ledger of committed steps
+(duplicates, skips), recovery seconds, and worker processes restarted (survivors: 0).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from elastic.config import Policy
+from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
+from elastic.mc_snapshots import common_step
+from elastic.mc_worker import GroupPlan, SliceWorker
+from elastic.membership import HealthEvent, View
+from elastic.policy import Grow, HealthTally, Shrink, Stay, decide
+from elastic.report import Ledger, Report, Timeline
+from runtime import distributed
+
+__all__ = ["McConfig", "McDriver"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class McConfig:
+    """A multi-controller job: ``num_slices`` worker processes of ``devices_per_slice`` devices each."""
+
+    num_steps: int
+    num_slices: int = 4
+    devices_per_slice: int = 2
+    snapshot_every: int = 5
+    seed: int = 0
+    collective_timeout_s: int = 5  # a collective with a dead peer raises after this (gloo)
+    settle_timeout_s: float = 30.0  # after a failure, the survivors must have left the group within this
+    startup_timeout_s: float = 120.0  # worker processes start (and import jax) within this
+    pass_timeout_s: float = 600.0  # one pass of the loop over one group, at most
+    stop_margin_steps: int = 3  # a join boundary is at least this many steps after the progress seen
+    replace_lost: bool = True  # start a new process for every lost slice at once; it joins at a step boundary
+    policy: Policy = field(default_factory=lambda: Policy(min_slices=1))
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "num_slices", "devices_per_slice", "snapshot_every", "collective_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"McConfig.{name} must be at least 1, got {getattr(self, name)}")
+
+
+class McDriver:
+    """Starts, watches, re-forms and reports one multi-controller job. Use as a context manager."""
+
+    def __init__(self, config: McConfig, *, init_fn: Callable[..., Any], loop: Callable[..., Any],
+                 shardings_fn: Callable[..., Any] | None = None,
+                 hooks: tuple[Callable[[McDriver, int], None], ...] = ()) -> None:
+        self.config = config
+        self._worker_args = {"init_fn": init_fn, "loop": loop, "shardings_fn": shardings_fn,
+                             "num_steps": config.num_steps, "snapshot_every": config.snapshot_every,
+                             "seed": config.seed}
+        self._hooks = hooks
+        self.workers: dict[int, Any] = {}
+        self.pids: dict[int, int] = {}
+        self._joining: dict[int, tuple[Any, Any, int]] = {}  # slice -> (worker, its pid() ref, join_at step)
+        self.timeline = Timeline()
+        self.killed_at: list[float] = []  # wall times of kill_worker
+        self._epoch = 0
+        self._services: list[distributed.CoordinationService] = []
+
+    # -- workers ------------------------------------------------------------------------------------
+    def _spawn(self, slice_index: int) -> Any:
+        cls = ray.remote(SliceWorker).options(
+            num_cpus=0, max_concurrency=8, max_restarts=0,
+            runtime_env={"env_vars": distributed.collective_env(self.config.devices_per_slice,
+                                                                collective_timeout_s=self.config.collective_timeout_s)})
+        return cls.remote(slice_index, **self._worker_args)
+
+    def start(self) -> None:
+        workers = {s: self._spawn(s) for s in range(self.config.num_slices)}
+        refs = {s: w.pid.remote() for s, w in workers.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.startup_timeout_s)
+        if len(ready) < len(refs):
+            raise RecoveryTimeoutError(f"{len(refs) - len(ready)} of {len(refs)} worker processes did not start within "
+                                       f"startup_timeout_s={self.config.startup_timeout_s}")
+        self.workers = workers
+        self.pids = {s: ray.get(r) for s, r in refs.items()}
+        self.timeline.add("workers_started", pids=dict(self.pids))
+
+    def kill_worker(self, slice_index: int) -> None:
+        """SIGKILL the process of ``slice_index``'s worker (a real process death; a testing seam: the worker
+        must run on this node)."""
+        os.kill(self.pids[slice_index], signal.SIGKILL)
+        self.killed_at.append(time.time())
+        self.timeline.add("worker_killed", slice=slice_index, pid=self.pids[slice_index])
+
+    def add_slice(self, slice_index: int, *, join_at: int = 0) -> None:
+        """Start a new worker process for ``slice_index``; it joins the group at a step boundary once it is up,
+        not before step ``join_at``."""
+        worker = self._spawn(slice_index)
+        self._joining[slice_index] = (worker, worker.pid.remote(), join_at)
+        self.timeline.add("worker_starting", slice=slice_index)
+
+    def close(self) -> None:
+        for worker in list(self.workers.values()) + [w for w, _, _ in self._joining.values()]:
+            try:
+                ray.kill(worker, no_restart=True)  # SIGKILL: a worker stuck in a collective ignores SIGTERM
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for service in self._services:
+            service.stop()
+        self._services.clear()
+
+    def __enter__(self) -> McDriver:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the job ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        members = tuple(range(cfg.num_slices))
+        view = View(epoch=1, active=frozenset(members), reason="started")
+        tally = HealthTally(cfg.policy, [HealthEvent(time=time.monotonic(), slice=s, healthy=True) for s in members])
+        report = Report(slices_initial=len(members), min_slices_seen=len(members))
+        extra: dict[str, Any] = {"mode": "multi-process", "worker_processes_restarted": 0, "survivors_lost": 0,
+                                 "reform_seconds": [], "detection_seconds": [], "worker_pids": {}}
+        killed_before = 0
+        start_step: int | None = None
+        executed = 0
+        last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
+        recovering: float | None = None  # wall time of the failure being recovered from
+        while True:
+            service = distributed.CoordinationService(len(members))
+            self._services.append(service)
+            self._epoch += 1
+            plan = GroupPlan(epoch=self._epoch, address=service.address, members=members, start_step=start_step,
+                             peers={s: self.workers[s] for s in members})
+            self.timeline.add("group_formed", epoch=plan.epoch, members=list(members), start_step=start_step,
+                              port=service.port)
+            results, lost, detected_at = self._watch(plan)
+            service.stop()
+            self._services.remove(service)
+            for s, res in results.items():  # a member that ran the last group in another process was restarted
+                if s in last_pid and res["pid"] != last_pid[s]:
+                    extra["worker_processes_restarted"] += 1
+                last_pid[s] = res["pid"]
+            if recovering is not None:
+                firsts = [r["first_commit_at"] for r in results.values() if r.get("first_commit_at")]
+                if firsts:
+                    report.recovery_seconds.append(round(min(firsts) - recovering, 3))
+                    extra["reform_seconds"].append(round(max(r["reform_seconds"] for r in results.values()), 3))
+                recovering = None
+            head = results.get(members[0])
+            executed += max((r["executed"] for r in results.values()), default=0)  # members run in lockstep
+            errors = [r for r in results.values() if r["status"] == "error"]
+            if errors:
+                raise ElasticError(f"slice {errors[0]['slice']}'s loop failed: {errors[0]['error']}\n"
+                                   f"{errors[0]['traceback']}")
+            if head is not None and head["status"] == "finished":
+                return self._finish(report, extra, head, executed, members)
+            now = time.monotonic()
+            for s in sorted(lost):
+                tally.add(HealthEvent(time=now, slice=s, healthy=False, cause="worker process died"))
+                self.workers.pop(s, None)
+                last_pid.pop(s, None)
+                if cfg.replace_lost and s not in self._joining:
+                    self.add_slice(s)
+            extra["survivors_lost"] += max(0, len(lost) - len(self.killed_at) + killed_before)
+            killed_before = len(self.killed_at)
+            joined = self._take_joiners(results)
+            for s in joined:
+                tally.add(HealthEvent(time=now, slice=s, healthy=True))
+            decision = decide(view, tally, now, cfg.policy)
+            self.timeline.add("decision", kind=type(decision).__name__, reason=decision.reason)
+            if isinstance(decision, Shrink | Grow):
+                view = View(epoch=view.epoch + 1, active=decision.to, reason=decision.reason)
+                report.recoveries += isinstance(decision, Shrink)
+                report.grows += isinstance(decision, Grow)
+            elif not isinstance(decision, Stay):
+                raise GiveUpError(decision.reason, epoch=view.epoch)
+            survivors = [s for s in members if s not in lost]
+            if lost:
+                recovering = self.killed_at[-1] if self.killed_at else time.time()
+                extra["detection_seconds"].append(round(detected_at - recovering, 3))
+            helds = [ray.get(self.workers[s].held.remote(), timeout=30) for s in survivors]
+            start_step = common_step(helds)
+            self.timeline.add("restore_from", step=start_step, survivors=survivors)
+            members = tuple(sorted(view.active))
+            report.min_slices_seen = min(report.min_slices_seen, len(members))
+
+    def _watch(self, plan: GroupPlan) -> tuple[dict[int, dict[str, Any]], set[int], float]:
+        """Run one pass to its end: every member returned or died. Bounded: past ``settle_timeout_s`` after a
+        failure (or ``pass_timeout_s`` in all), the members still running are killed and count as lost."""
+        cfg = self.config
+        pending = {self.workers[s].run_group.remote(plan): s for s in plan.members}
+        results: dict[int, dict[str, Any]] = {}
+        lost: set[int] = set()
+        failed_at: float | None = None
+        stop_sent = False
+        deadline = time.monotonic() + cfg.pass_timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
+            for ref in ready:
+                s = pending.pop(ref)
+                try:
+                    results[s] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    lost.add(s)
+                    failed_at = failed_at or time.time()
+                    self.timeline.add("worker_lost", slice=s, epoch=plan.epoch)
+                    continue
+                if results[s]["status"] in ("failed", "error"):
+                    failed_at = failed_at or results[s]["failed_at"]
+                    self.timeline.add("collective_failed", slice=s, step=results[s]["step"],
+                                      error=results[s]["error"][:160])
+            if failed_at is None and pending:
+                step = self._progress(pending.values())
+                if not stop_sent and self._joining and not self._any_done(pending):  # a planned boundary: the joiners' processes start meanwhile
+                    stop_at = max([step + cfg.stop_margin_steps] + [j for _, _, j in self._joining.values()])
+                    if stop_at < cfg.num_steps:
+                        for s in pending.values():
+                            self.workers[s].request_stop.remote(plan.epoch, stop_at)
+                        stop_sent = True
+                        self.timeline.add("join_requested", epoch=plan.epoch, before_step=stop_at,
+                                          slices=sorted(self._joining))
+                for hook in self._hooks:
+                    hook(self, step)
+            settled = failed_at is not None and time.time() - failed_at > cfg.settle_timeout_s
+            if pending and (settled or time.monotonic() > deadline):
+                for ref, s in list(pending.items()):
+                    ray.kill(self.workers[s], no_restart=True)
+                    lost.add(s)
+                    self.timeline.add("worker_stuck_killed", slice=s, epoch=plan.epoch)
+                pending.clear()
+        return results, lost, failed_at or time.time()
+
+    @staticmethod
+    def _any_done(pending: dict[Any, int]) -> bool:
+        """Whether a member's pass already ended (a failure, likely): no boundary is planned for this group."""
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=0)
+        return bool(ready)
+
+    def _progress(self, slices: Any) -> int:
+        """The next step of the group (members run in lockstep; the first that answers tells)."""
+        for s in slices:
+            try:
+                return int(ray.get(self.workers[s].progress.remote(), timeout=5)["next_step"])
+            except Exception:  # noqa: BLE001 - a dead or busy worker: ask the next
+                continue
+        return 0
+
+    def _take_joiners(self, results: dict[int, dict[str, Any]]) -> list[int]:
+        """The slices whose new worker is up, when the pass ended at a join boundary (waiting for them up to
+        ``startup_timeout_s``; past it, the group goes on without them and they join at a later boundary)."""
+        if not self._joining or not results or any(r["status"] != "regroup" for r in results.values()):
+            return []
+        refs = [r for _, r, _ in self._joining.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.startup_timeout_s)
+        if len(ready) < len(refs):
+            self.timeline.add("join_waited_out", slices=sorted(self._joining))
+            return []
+        joined = []
+        for s, (worker, ref, _) in sorted(self._joining.items()):
+            self.workers[s] = worker
+            self.pids[s] = ray.get(ref)
+            joined.append(s)
+        self._joining.clear()
+        return joined
+
+    def _finish(self, report: Report, extra: dict[str, Any], head: dict[str, Any], executed: int,
+                members: tuple[int, ...]) -> dict[str, Any]:
+        steps, _ = Ledger.expand(head["ledger"])
+        report.slices_final = len(members)
+        report.failures_injected = len(self.killed_at)
+        report.steps_committed = len(steps)
+        report.steps_recomputed = executed - len(steps)
+        report.duplicate_steps = len(steps) - len(set(steps))
+        report.skipped_steps = len(set(range(self.config.num_steps)) - set(steps))
+        report.snapshots_taken = head["snapshots"]
+        report.snapshot_blocking_seconds = round(head["snapshot_seconds"], 4)
+        report.final_loss = head.get("final_loss")
+        report.wall_seconds = round(time.time() - self.timeline.start, 3)
+        report.timeline = self.timeline.events
+        extra["worker_pids"] = dict(self.pids)
+        return {"report": {**report.to_dict(), **extra}, "params": head.get("params")}
