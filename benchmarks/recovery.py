@@ -1,6 +1,6 @@
 """Recovery from a slice loss, in process, against a restart from an Orbax checkpoint, in one run.
 
-    .venv/bin/python benchmarks/recovery.py --json [--mib 256] [--kill-at 12]
+    .venv/bin/python benchmarks/recovery.py --json [--mib 256] [--kill-at 12] [--mode single|multi-process|both]
 
 An elastic job trains a state of ``--mib`` MiB (8 leaves split over the 2 devices of a slice,
 replicated across 4 slices) with a snapshot every 5 steps. Once its standby executables are ready,
@@ -23,6 +23,14 @@ to complete, so the restore reads the complete snapshot's host copies.
 Baseline: what a restart-based job pays at that moment, in a fresh process: import jax and orbax,
 restore the same state from an Orbax checkpoint onto the survivors' mesh, compile the step, run it
 (not even counting rescheduling the job). ``speedup`` = baseline / ours.
+
+``--mode multi-process`` (or ``both``) measures the multi-controller case instead (or as well), printed under
+``"multi_process"`` (benchmarks/recovery_mp.py, which also runs alone): 4 worker processes joined by
+``jax.distributed`` (``elastic.mc_driver.McDriver``, ``--mib`` default 64 there), one SIGKILLed at ``--kill-at``,
+the 3 survivors re-forming in place from their host snapshots, against 3 fresh processes that import jax, join a
+new group, restore an Orbax checkpoint, compile and step. Ours includes gloo's collective timeout (5 s; the
+baseline pays no detection), so ``ours_without_collective_timeout`` is reported beside ``resume_seconds``.
+The default ``--mode single`` prints what it always did.
 """
 from __future__ import annotations
 
@@ -162,16 +170,46 @@ def main() -> None:
 
     configure_logging(logging.WARNING)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--mib", type=int, default=None, help="default 256 (multi-process: 64)")
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--mode", choices=("single", "multi-process", "both"), default="single",
+                        help="single-controller (default), multi-controller (benchmarks/recovery_mp.py), or both")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args()
+    if args.mode == "multi-process":
+        print(json.dumps({"multi_process": _multi_process(args)}, indent=1))
+        return
+    started = False
+    if args.mode == "both":  # one Ray for every job of the run
+        from elastic.cluster import connect
+
+        started = connect()
+    try:
+        result = _single(args)
+        if args.mode == "both":
+            result["multi_process"] = _multi_process(args)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    print(json.dumps(result, indent=1))
+
+
+def _multi_process(args: argparse.Namespace) -> dict:
+    from recovery_mp import run
+
+    return run(args.mib or 64, args.kill_at, args.steps)
+
+
+def _single(args: argparse.Namespace) -> dict:
+    mib = args.mib or 256
     jax.monitoring.register_event_duration_secs_listener(_listen)
-    report, settled_state, start = run_elastic(args.mib, args.kill_at, args.steps, settled=True)
+    report, settled_state, start = run_elastic(mib, args.kill_at, args.steps, settled=True)
     settled = measure(report, settled_state, start)
     del settled_state
-    report, state, start = run_elastic(args.mib, args.kill_at, args.steps, settled=False)
+    report, state, start = run_elastic(mib, args.kill_at, args.steps, settled=False)
     ours = measure(report, state, start)
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
 
@@ -191,7 +229,7 @@ def main() -> None:
         ckptr.save(path, state)
         ckptr.wait_until_finished()
         del state
-        code = BASELINE.format(bench=os.path.dirname(os.path.abspath(__file__)), rows=rows_for(args.mib), path=path,
+        code = BASELINE.format(bench=os.path.dirname(os.path.abspath(__file__)), rows=rows_for(mib), path=path,
                                step=args.kill_at)
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
@@ -212,7 +250,7 @@ def main() -> None:
 
     result["checks"] = checks(result)
     result["settled"]["checks"] = checks(result["settled"])
-    print(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

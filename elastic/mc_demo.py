@@ -10,6 +10,7 @@ parameters are compared with a reference: the same model and batches trained by 
 """
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,17 +65,18 @@ def loop(run: McRun) -> Any:
 
 
 class ProcessFaults:
-    """A driver hook: SIGKILL slice ``kill_slice``'s process once the group reaches ``kill_at``, and start a new
-    process for that slice right after, which joins the survivors at a step boundary not before ``revive_at``."""
+    """A driver hook: SIGKILL slice ``kill_slice``'s process once the group reaches ``kill_at`` (or send it
+    ``sig``: SIGSTOP hangs it), and start a new process for that slice right after, which joins the survivors at
+    a step boundary not before ``revive_at``."""
 
-    def __init__(self, *, kill_slice: int, kill_at: int, revive_at: int | None) -> None:
-        self.kill_slice, self.kill_at, self.revive_at = kill_slice, kill_at, revive_at
+    def __init__(self, *, kill_slice: int, kill_at: int, revive_at: int | None, sig: int = signal.SIGKILL) -> None:
+        self.kill_slice, self.kill_at, self.revive_at, self.sig = kill_slice, kill_at, revive_at, sig
         self.killed = self.revived = False
 
     def __call__(self, driver: McDriver, step: int) -> None:
         if not self.killed and step >= self.kill_at:
             self.killed = True
-            driver.kill_worker(self.kill_slice)
+            driver.kill_worker(self.kill_slice, self.sig)
             if self.revive_at is not None:  # the host comes back at once; its new process takes seconds to start
                 self.revived = True
                 driver.add_slice(self.kill_slice, join_at=self.revive_at)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +45,40 @@ class McConfig:
     snapshot_every: int = 5
     seed: int = 0
     collective_timeout_s: int = 5  # a collective with a dead peer raises after this (gloo)
-    settle_timeout_s: float = 30.0  # after a failure, the survivors must have left the group within this
+    settle_timeout_s: float = 15.0  # after a failure, a member still in the pass past this is hung: killed, replaced
     startup_timeout_s: float = 120.0  # worker processes start (and import jax) within this
     pass_timeout_s: float = 600.0  # one pass of the loop over one group, at most
     stop_margin_steps: int = 3  # a join boundary is at least this many steps after the progress seen
     replace_lost: bool = True  # start a new process for every lost slice at once; it joins at a step boundary
     policy: Policy = field(default_factory=lambda: Policy(min_slices=1))
+    # What one worker process needs of a node (one host of a slice), e.g. {"GPU": 8} or a custom host resource
+    # such as {"trainer_host": 1}: Ray places each worker where that is free. Empty: anywhere.
+    resources_per_worker: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "num_slices", "devices_per_slice", "snapshot_every", "collective_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"McConfig.{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"McConfig.{name} must be an integer of at least 1, got {value!r}")
+        for name in ("settle_timeout_s", "startup_timeout_s", "pass_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ConfigError(f"McConfig.{name} must be a finite number of seconds above 0, got {value!r}")
+        for key, amount in dict(self.resources_per_worker).items():
+            if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, int | float) \
+                    or amount < 0:
+                raise ConfigError(f"McConfig.resources_per_worker maps resource names to amounts >= 0, got "
+                                  f"{key!r}: {amount!r}")
+
+    def worker_options(self) -> dict[str, Any]:
+        """The Ray actor options that place one worker (``num_cpus``/``num_gpus`` from ``CPU``/``GPU``)."""
+        resources = dict(self.resources_per_worker)
+        options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0)}
+        if "GPU" in resources:
+            options["num_gpus"] = resources.pop("GPU")
+        if resources:
+            options["resources"] = resources
+        return options
 
 
 class McDriver:
@@ -71,49 +94,75 @@ class McDriver:
         self._hooks = hooks
         self.workers: dict[int, Any] = {}
         self.pids: dict[int, int] = {}
-        self._joining: dict[int, tuple[Any, Any, int]] = {}  # slice -> (worker, its pid() ref, join_at step)
+        self._joining: dict[int, tuple[Any, Any, int]] = {}  # slice -> (worker, its where() ref, join_at step)
+        self._nodes: dict[int, str] = {}  # slice -> the Ray node its worker runs on
+        self._host, self._node = "127.0.0.1", ""
         self.timeline = Timeline()
-        self.killed_at: list[float] = []  # wall times of kill_worker
+        self.faults: list[tuple[float, str, frozenset[int]]] = []  # (wall time, what, slices) caused from outside
+        self._targeted: set[int] = set()  # slices a recorded fault took (their loss is no survivor's)
         self._epoch = 0
         self._services: list[distributed.CoordinationService] = []
 
     # -- workers ------------------------------------------------------------------------------------
     def _spawn(self, slice_index: int) -> Any:
         cls = ray.remote(SliceWorker).options(
-            num_cpus=0, max_concurrency=8, max_restarts=0,
+            **self.config.worker_options(), max_concurrency=8, max_restarts=0,
             runtime_env={"env_vars": distributed.collective_env(self.config.devices_per_slice,
                                                                 collective_timeout_s=self.config.collective_timeout_s)})
         return cls.remote(slice_index, **self._worker_args)
 
     def start(self) -> None:
         workers = {s: self._spawn(s) for s in range(self.config.num_slices)}
-        refs = {s: w.pid.remote() for s, w in workers.items()}
+        self._host = ray.util.get_node_ip_address()  # the services listen here; workers may be on other nodes
+        self._node = ray.get_runtime_context().get_node_id()
+        refs = {s: w.where.remote() for s, w in workers.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.startup_timeout_s)
         if len(ready) < len(refs):
-            raise RecoveryTimeoutError(f"{len(refs) - len(ready)} of {len(refs)} worker processes did not start within "
-                                       f"startup_timeout_s={self.config.startup_timeout_s}")
+            for worker in workers.values():
+                ray.kill(worker, no_restart=True)
+            raise RecoveryTimeoutError(
+                f"{len(refs) - len(ready)} of {len(refs)} worker processes did not start within startup_timeout_s="
+                f"{self.config.startup_timeout_s}: check that the cluster has {len(refs)} places with "
+                f"{self.config.worker_options()} free (`ray status`), or raise startup_timeout_s")
         self.workers = workers
-        self.pids = {s: ray.get(r) for s, r in refs.items()}
+        for s, ref in refs.items():
+            self.pids[s], self._nodes[s] = ray.get(ref)
         self.timeline.add("workers_started", pids=dict(self.pids))
 
-    def kill_worker(self, slice_index: int) -> None:
-        """SIGKILL the process of ``slice_index``'s worker (a real process death; a testing seam: the worker
-        must run on this node)."""
-        os.kill(self.pids[slice_index], signal.SIGKILL)
-        self.killed_at.append(time.time())
-        self.timeline.add("worker_killed", slice=slice_index, pid=self.pids[slice_index])
+    def record_fault(self, what: str, slices: Iterable[int]) -> None:
+        """Count a fault caused from outside (a test, a drill: a node removed, a process stopped) just before it
+        is caused: recovery is timed from it, and the loss of ``slices`` is not counted as a survivor's."""
+        slices = frozenset(slices)
+        self.faults.append((time.time(), what, slices))
+        self._targeted |= slices
+        self.timeline.add("fault", what=what, slices=sorted(slices))
+
+    def kill_worker(self, slice_index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL: a real process death; SIGSTOP: a hung process) to ``slice_index``'s worker
+        process. A testing seam: the worker must run on this machine."""
+        self.record_fault(signal.Signals(sig).name, [slice_index])
+        os.kill(self.pids[slice_index], sig)
+        self.timeline.add("worker_killed" if sig == signal.SIGKILL else "worker_signalled", slice=slice_index,
+                          pid=self.pids[slice_index], signal=signal.Signals(sig).name)
+
+    @property
+    def killed_at(self) -> list[float]:
+        """Wall times of the faults recorded."""
+        return [t for t, _, _ in self.faults]
 
     def add_slice(self, slice_index: int, *, join_at: int = 0) -> None:
         """Start a new worker process for ``slice_index``; it joins the group at a step boundary once it is up,
         not before step ``join_at``."""
         worker = self._spawn(slice_index)
-        self._joining[slice_index] = (worker, worker.pid.remote(), join_at)
+        self._joining[slice_index] = (worker, worker.where.remote(), join_at)
         self.timeline.add("worker_starting", slice=slice_index)
 
     def close(self) -> None:
-        for worker in list(self.workers.values()) + [w for w, _, _ in self._joining.values()]:
+        for s in list(self.workers):
+            self._kill(s)
+        for worker, _, _ in self._joining.values():
             try:
-                ray.kill(worker, no_restart=True)  # SIGKILL: a worker stuck in a collective ignores SIGTERM
+                ray.kill(worker, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         for service in self._services:
@@ -135,21 +184,24 @@ class McDriver:
         tally = HealthTally(cfg.policy, [HealthEvent(time=time.monotonic(), slice=s, healthy=True) for s in members])
         report = Report(slices_initial=len(members), min_slices_seen=len(members))
         extra: dict[str, Any] = {"mode": "multi-process", "worker_processes_restarted": 0, "survivors_lost": 0,
-                                 "reform_seconds": [], "detection_seconds": [], "worker_pids": {}}
-        killed_before = 0
+                                 "workers_hung_killed": 0, "reform_seconds": [], "detection_seconds": [],
+                                 "worker_pids": {}}
+        faults_seen = 0
         start_step: int | None = None
+        start_step_was: int | None = None
         executed = 0
         last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
         recovering: float | None = None  # wall time of the failure being recovered from
         while True:
-            service = distributed.CoordinationService(len(members))
+            service = distributed.CoordinationService(len(members), host=self._host)
             self._services.append(service)
             self._epoch += 1
             plan = GroupPlan(epoch=self._epoch, address=service.address, members=members, start_step=start_step,
                              peers={s: self.workers[s] for s in members})
             self.timeline.add("group_formed", epoch=plan.epoch, members=list(members), start_step=start_step,
                               port=service.port)
-            results, lost, detected_at = self._watch(plan)
+            results, lost, stuck, detected_at = self._watch(plan)
+            extra["workers_hung_killed"] += len(stuck)
             service.stop()
             self._services.remove(service)
             for s, res in results.items():  # a member that ran the last group in another process was restarted
@@ -177,8 +229,8 @@ class McDriver:
                 last_pid.pop(s, None)
                 if cfg.replace_lost and s not in self._joining:
                     self.add_slice(s)
-            extra["survivors_lost"] += max(0, len(lost) - len(self.killed_at) + killed_before)
-            killed_before = len(self.killed_at)
+            extra["survivors_lost"] += len(lost - self._targeted)  # gloo aborted it, or it hung
+            self._targeted -= lost
             joined = self._take_joiners(results)
             for s in joined:
                 tally.add(HealthEvent(time=now, slice=s, healthy=True))
@@ -191,22 +243,32 @@ class McDriver:
             elif not isinstance(decision, Stay):
                 raise GiveUpError(decision.reason, epoch=view.epoch)
             survivors = [s for s in members if s not in lost]
-            if lost:
-                recovering = self.killed_at[-1] if self.killed_at else time.time()
+            if lost:  # timed from the fault when it was caused from outside, else from its first sign
+                recovering = self.faults[-1][0] if len(self.faults) > faults_seen else detected_at
                 extra["detection_seconds"].append(round(detected_at - recovering, 3))
+            faults_seen = len(self.faults)
             helds = [ray.get(self.workers[s].held.remote(), timeout=30) for s in survivors]
             start_step = common_step(helds)
+            if start_step is None and start_step_was is not None:
+                raise ElasticError(
+                    f"the surviving slices {survivors} do not hold the whole state of any step: slice(s) "
+                    f"{sorted(lost)} were lost together with the buddy copies of their shards. Nothing was "
+                    "restarted from scratch; resume from a persistent checkpoint, or keep state replicated across "
+                    "slices (or sharded within one) so that each survivor holds a whole copy")
+            start_step_was = start_step
             self.timeline.add("restore_from", step=start_step, survivors=survivors)
             members = tuple(sorted(view.active))
             report.min_slices_seen = min(report.min_slices_seen, len(members))
 
-    def _watch(self, plan: GroupPlan) -> tuple[dict[int, dict[str, Any]], set[int], float]:
+    def _watch(self, plan: GroupPlan) -> tuple[dict[int, dict[str, Any]], set[int], set[int], float]:
         """Run one pass to its end: every member returned or died. Bounded: past ``settle_timeout_s`` after a
-        failure (or ``pass_timeout_s`` in all), the members still running are killed and count as lost."""
+        failure (or ``pass_timeout_s`` in all), the members still in the pass are hung (a stopped process, a
+        step that never reaches its next collective): they are killed and count as lost (and as ``stuck``)."""
         cfg = self.config
         pending = {self.workers[s].run_group.remote(plan): s for s in plan.members}
         results: dict[int, dict[str, Any]] = {}
         lost: set[int] = set()
+        stuck: set[int] = set()
         failed_at: float | None = None
         stop_sent = False
         deadline = time.monotonic() + cfg.pass_timeout_s
@@ -227,7 +289,7 @@ class McDriver:
                                       error=results[s]["error"][:160])
             if failed_at is None and pending:
                 step = self._progress(pending.values())
-                if not stop_sent and self._joining and not self._any_done(pending):  # a planned boundary: the joiners' processes start meanwhile
+                if not stop_sent and self.joiners_ready() and not self._any_done(pending):  # a planned boundary
                     stop_at = max([step + cfg.stop_margin_steps] + [j for _, _, j in self._joining.values()])
                     if stop_at < cfg.num_steps:
                         for s in pending.values():
@@ -240,11 +302,34 @@ class McDriver:
             settled = failed_at is not None and time.time() - failed_at > cfg.settle_timeout_s
             if pending and (settled or time.monotonic() > deadline):
                 for ref, s in list(pending.items()):
-                    ray.kill(self.workers[s], no_restart=True)
+                    self._kill(s)
                     lost.add(s)
+                    stuck.add(s)
                     self.timeline.add("worker_stuck_killed", slice=s, epoch=plan.epoch)
                 pending.clear()
-        return results, lost, failed_at or time.time()
+        return results, lost, stuck, failed_at or time.time()
+
+    def _kill(self, slice_index: int) -> None:
+        """End a worker for good. ``ray.kill`` marks it dead at once but leaves a stopped process to its
+        raylet's grace period; one on this node is SIGKILLed here as well."""
+        try:
+            ray.kill(self.workers[slice_index], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if self._nodes.get(slice_index) == self._node:
+            try:
+                os.kill(self.pids[slice_index], signal.SIGKILL)
+            except (ProcessLookupError, KeyError):
+                pass
+
+    def joiners_ready(self) -> bool:
+        """Whether new processes wait to join and all of them are up (so a boundary planned now is not waited
+        for; the group trains on meanwhile)."""
+        if not self._joining:
+            return False
+        refs = [r for _, r, _ in self._joining.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
 
     @staticmethod
     def _any_done(pending: dict[Any, int]) -> bool:
@@ -253,11 +338,17 @@ class McDriver:
         return bool(ready)
 
     def _progress(self, slices: Any) -> int:
-        """The next step of the group (members run in lockstep; the first that answers tells)."""
-        for s in slices:
+        """The next step of the group (members run in lockstep; the first to answer within 5 s tells: a
+        stopped or dead member does not hold the watch up)."""
+        refs = [self.workers[s].progress.remote() for s in slices]
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=5)
+            if not ready:
+                break
             try:
-                return int(ray.get(self.workers[s].progress.remote(), timeout=5)["next_step"])
-            except Exception:  # noqa: BLE001 - a dead or busy worker: ask the next
+                return int(ray.get(ready[0])["next_step"])
+            except Exception:  # noqa: BLE001 - a dead worker: the next answer
                 continue
         return 0
 
@@ -273,8 +364,12 @@ class McDriver:
             return []
         joined = []
         for s, (worker, ref, _) in sorted(self._joining.items()):
+            try:
+                self.pids[s], self._nodes[s] = ray.get(ref)
+            except ray.exceptions.RayError:  # its process (or node) died before it joined
+                self.timeline.add("joiner_lost", slice=s)
+                continue
             self.workers[s] = worker
-            self.pids[s] = ray.get(ref)
             joined.append(s)
         self._joining.clear()
         return joined

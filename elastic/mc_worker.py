@@ -71,6 +71,10 @@ class SliceWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def where(self) -> tuple[int, str]:
+        """This worker's process id and Ray node id."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
     def progress(self) -> dict[str, int]:
         return {"epoch": self._epoch, "next_step": self._next_step, "pid": os.getpid()}
 

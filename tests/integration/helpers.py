@@ -56,3 +56,42 @@ def ledger_job(job_name: str, faults: Faults | None = None, *, on_step=None, **o
         return state
 
     return ElasticJob(cfg, init_fn=init, faults=faults, on_step=on_step), loop
+
+
+# -- multi-controller jobs ---------------------------------------------------------------------------------
+
+def gated_mc_loop(gate: str, at_step: int):
+    """The multi-process demo's loop, except that before step ``at_step`` the group waits (bounded) for the
+    file ``gate`` to exist. A :class:`JoinGate` opens it once the new worker processes are up, so the group
+    cannot finish before they join, however slow their start is on a loaded machine."""
+    import os
+    import time
+
+    from elastic.mc_demo import BATCH, train_step
+
+    def gated(run):
+        state = run.state
+        step_fn = run.jit(train_step)
+        for step in run.steps:
+            if step == at_step:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(gate) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
+            run.commit(state, loss=loss)
+        return state
+
+    return gated
+
+
+class JoinGate:
+    """A driver hook: opens ``gate`` once a new worker process waits to join and is up."""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    def __call__(self, driver, step: int) -> None:
+        import os
+
+        if not os.path.exists(self.gate) and driver.joiners_ready():
+            open(self.gate, "w").close()
