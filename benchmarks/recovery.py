@@ -28,8 +28,8 @@ restore the same state from an Orbax checkpoint onto the survivors' mesh, compil
 ``"multi_process"`` (benchmarks/recovery_mp.py, which also runs alone): 4 worker processes joined by
 ``jax.distributed`` (``elastic.mc_driver.McDriver``, ``--mib`` default 64 there), one SIGKILLed at ``--kill-at``,
 the 3 survivors re-forming in place from their host snapshots, against 3 fresh processes that import jax, join a
-new group, restore an Orbax checkpoint, compile and step. Ours includes gloo's collective timeout (5 s; the
-baseline pays no detection), so ``ours_without_collective_timeout`` is reported beside ``resume_seconds``.
+new group, restore an Orbax checkpoint, compile and step. Ours includes detecting the loss and leaving the broken
+group (the baseline pays no detection), so ``ours_without_leaving`` is reported beside ``resume_seconds``.
 The default ``--mode single`` prints what it always did.
 """
 from __future__ import annotations

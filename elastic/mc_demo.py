@@ -101,10 +101,11 @@ def reference_params(spec: McDemoSpec, devices: int | None = None) -> tuple[Any,
 
 def run_mc_demo(spec: McDemoSpec, *, verify: bool = False) -> dict[str, Any]:
     """Run the demo in worker processes of the connected Ray cluster; the JSON-ready report."""
+    revive_at = spec.revive_at if spec.revive_at is not None and spec.revive_at < spec.steps else None
     config = McConfig(num_steps=spec.steps, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
-                      snapshot_every=spec.snapshot_every, seed=spec.seed,
+                      snapshot_every=spec.snapshot_every, seed=spec.seed, replace_lost=revive_at is not None,
                       policy=Policy(min_slices=max(1, spec.num_slices // 2), repair_timeout_s=60.0))
-    faults = ProcessFaults(kill_slice=spec.kill_slice, kill_at=spec.kill_at, revive_at=spec.revive_at)
+    faults = ProcessFaults(kill_slice=spec.kill_slice, kill_at=spec.kill_at, revive_at=revive_at)
     start = time.monotonic()
     with McDriver(config, init_fn=init_state, loop=loop, hooks=(faults,)) as driver:
         out = driver.run()

@@ -270,7 +270,7 @@ class McDriver:
         lost: set[int] = set()
         stuck: set[int] = set()
         failed_at: float | None = None
-        stop_sent = False
+        stop_sent = abort_sent = False
         deadline = time.monotonic() + cfg.pass_timeout_s
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
@@ -287,6 +287,11 @@ class McDriver:
                     failed_at = failed_at or results[s]["failed_at"]
                     self.timeline.add("collective_failed", slice=s, step=results[s]["step"],
                                       error=results[s]["error"][:160])
+            if failed_at is not None and not abort_sent:  # the rest may wait on the lost one until the timeout
+                for s in pending.values():
+                    self.workers[s].abort.remote(plan.epoch)
+                abort_sent = True
+                self.timeline.add("group_aborted", epoch=plan.epoch, pending=sorted(pending.values()))
             if failed_at is None and pending:
                 step = self._progress(pending.values())
                 if not stop_sent and self.joiners_ready() and not self._any_done(pending):  # a planned boundary

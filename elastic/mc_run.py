@@ -20,7 +20,7 @@ from elastic.errors import ConfigError
 from elastic.run import batch_rows
 from runtime.mesh import batch_sharding
 
-__all__ = ["Boundary", "McRun"]
+__all__ = ["Aborted", "Boundary", "McRun"]
 
 
 class Boundary(BaseException):
@@ -32,12 +32,16 @@ class Boundary(BaseException):
         self.step = step
 
 
+class Aborted(BaseException):
+    """Ends an abandoned pass: the driver aborted the group (a member was lost) while this thread was still in it."""
+
+
 class McRun:
     """One pass of the user's loop in one worker process, over one group."""
 
     def __init__(self, *, mesh: Mesh, state: Any, start_step: int, num_steps: int, seed: int, epoch: int,
                  on_commit: Callable[[int, Any, dict[str, Any]], None],
-                 stop_before: Callable[[int], bool]) -> None:
+                 stop_before: Callable[[int], bool], aborted: Callable[[], bool] = lambda: False) -> None:
         self.mesh = mesh
         self.state = state
         self.start_step = start_step
@@ -46,6 +50,7 @@ class McRun:
         self._seed = seed
         self._on_commit = on_commit
         self._stop_before = stop_before
+        self._aborted = aborted
         self._pending: int | None = None
         self._started = False
 
@@ -70,6 +75,8 @@ class McRun:
 
     def _iterate(self) -> Iterator[int]:
         for step in range(self.start_step, self.num_steps):
+            if self._aborted():
+                raise Aborted(f"group {self.epoch} was aborted before step {step}")
             if step > self.start_step and self._stop_before(step):
                 raise Boundary(step)
             self._pending = step

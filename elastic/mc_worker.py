@@ -27,7 +27,7 @@ import numpy as np
 import ray
 from jax.sharding import NamedSharding, PartitionSpec
 
-from elastic.mc_run import Boundary, McRun
+from elastic.mc_run import Aborted, Boundary, McRun
 from elastic.mc_snapshots import Generation, HostSnapshots, Region, region_of, take
 from elastic.report import Ledger
 from runtime import distributed
@@ -62,6 +62,8 @@ class SliceWorker:
         self._snaps = HostSnapshots(keep=2)
         self._lock = threading.Lock()
         self._epoch = -1
+        self._aborted = threading.Event()  # set when the driver aborted the current pass
+        self._ended: threading.Event | None = None  # set when the current pass ended or was aborted
         self._stop_at: dict[int, int] = {}  # epoch -> the step the group stops before
         self._next_step = 0
         self._snapshot_seconds = 0.0
@@ -99,48 +101,97 @@ class SliceWorker:
     # -- one pass of the loop over one group ---------------------------------------------------------
     def run_group(self, plan: GroupPlan) -> dict[str, Any]:
         out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch, "executed": 0}
-        self._epoch = plan.epoch
+        with self._lock:
+            self._epoch = plan.epoch
+            self._aborted = aborted = threading.Event()  # this pass's: an abandoned thread keeps seeing its own
+            self._ended = ended = threading.Event()
         index = plan.members.index(self.slice)
         out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index)
-        try:
-            start = time.monotonic()
-            mesh = self._mesh(len(plan.members))
-            state, ledger = self._restore(plan, mesh)
-            out["restore_seconds"] = time.monotonic() - start
-            first = plan.start_step or 0
-            self._next_step = first
-            self._snapshot(first, state, ledger, plan)
-            commits: list[float] = []
+        failure: dict[str, Any] = {}
 
-            def on_commit(step: int, new_state: Any, metrics: dict[str, Any]) -> None:
-                ledger.commit(step, step)
-                commits.append(time.time())
-                out["executed"] += 1
-                if "loss" in metrics:
-                    out["final_loss"] = float(metrics["loss"])
-                self._next_step = step + 1
-                if (step + 1) % self._every == 0 and step + 1 < self._num_steps:
-                    self._snapshot(step + 1, new_state, ledger, plan)
-
-            run = McRun(mesh=mesh, state=state, start_step=first, num_steps=self._num_steps, seed=self._seed,
-                        epoch=plan.epoch, on_commit=on_commit, stop_before=lambda s: self._stops_before(plan, s))
+        def body() -> None:
             try:
-                result = self._loop(run)
-                out.update(status="finished", step=self._num_steps, ledger=ledger.to_meta())
-                if index == 0:
-                    out["params"] = _host_copy(result if result is not None else run.state)
-            except Boundary as boundary:
-                self._snapshot(boundary.step, run.state, ledger, plan)
-                out.update(status="regroup", step=boundary.step)
-            out["first_commit_at"] = commits[0] if commits else None
-        except Exception as err:  # noqa: BLE001 - classified: a dead peer is recovered, the rest reported
-            out.update(status="failed" if distributed.is_peer_loss(err) else "error", step=self._next_step,
-                       failed_at=time.time(), error=f"{type(err).__name__}: {str(err)[:400]}",
-                       traceback=traceback.format_exc()[-2000:])
-        finally:
-            out["leave_seconds"] = distributed.leave()
+                self._pass(plan, index, out, aborted)
+            except Aborted:
+                pass
+            except Exception as err:  # noqa: BLE001 - classified: a dead peer is recovered, the rest reported
+                failure.update(status="failed" if distributed.is_peer_loss(err) else "error", step=self._next_step,
+                               failed_at=time.time(), error=f"{type(err).__name__}: {str(err)[:400]}",
+                               traceback=traceback.format_exc()[-2000:])
+            finally:
+                ended.set()
+
+        # The pass runs on its own thread so that abort() can end it while a collective is stuck on a dead peer
+        # (gloo notices only on its timeout): that thread is abandoned, and ends by itself on the timeout.
+        thread = threading.Thread(target=body, name=f"pass-{plan.epoch}", daemon=True)
+        thread.start()
+        ended.wait()
+        if aborted.is_set():
+            out.update(status="failed", step=self._next_step, failed_at=time.time(), aborted=True,
+                       error="aborted: the driver saw a member of the group lost")
+        else:
+            thread.join()
+            out.update(failure)
+        # Unless abandoned, the pass's arrays and executables are unreachable now, so leave() destroys the
+        # backend at once; an abandoned pass keeps its backend until its collective times out.
+        out["leave_seconds"] = distributed.leave()
         out["snapshots"], out["snapshot_seconds"] = self._snapshots, self._snapshot_seconds
         return out
+
+    def abort(self, epoch: int) -> bool:
+        """End group ``epoch``'s pass now (a member was lost): ``run_group`` returns ``failed`` at once, and the
+        pass's thread records nothing more. False if this worker is not in that group's pass."""
+        with self._lock:
+            if self._epoch != epoch or self._ended is None or self._ended.is_set():
+                return False
+            self._aborted.set()
+            self._ended.set()
+            return True
+
+    def _pass(self, plan: GroupPlan, index: int, out: dict[str, Any], aborted: threading.Event) -> None:
+        """One pass over the group: restore, run the user's loop, fill ``out``. Raises what broke it."""
+        start = time.monotonic()
+        mesh = self._mesh(len(plan.members))
+        state, ledger = self._restore(plan, mesh)
+        out["restore_seconds"] = time.monotonic() - start
+        first = plan.start_step or 0
+        self._next_step = first
+        self._snapshot(first, state, ledger, plan)
+        commits: list[float] = []
+
+        def on_commit(step: int, new_state: Any, metrics: dict[str, Any]) -> None:
+            with self._lock:  # abort() waits for a commit in progress; none starts after it
+                if aborted.is_set():
+                    raise Aborted(f"group {plan.epoch} was aborted at step {step}")
+                self._commit(step, new_state, metrics, ledger, commits, out, plan)
+
+        run = McRun(mesh=mesh, state=state, start_step=first, num_steps=self._num_steps, seed=self._seed,
+                    epoch=plan.epoch, on_commit=on_commit, stop_before=lambda s: self._stops_before(plan, s),
+                    aborted=aborted.is_set)
+        del state
+        try:
+            result = self._loop(run)
+            out.update(status="finished", step=self._num_steps, ledger=ledger.to_meta())
+            if index == 0:
+                out["params"] = _host_copy(result if result is not None else run.state)
+        except Boundary as boundary:
+            with self._lock:
+                if aborted.is_set():
+                    raise Aborted(f"group {plan.epoch} was aborted at its boundary") from None
+                self._snapshot(boundary.step, run.state, ledger, plan)
+            out.update(status="regroup", step=boundary.step)
+        out["first_commit_at"] = commits[0] if commits else None
+
+    def _commit(self, step: int, new_state: Any, metrics: dict[str, Any], ledger: Ledger, commits: list[float],
+                out: dict[str, Any], plan: GroupPlan) -> None:
+        ledger.commit(step, step)
+        commits.append(time.time())
+        out["executed"] += 1
+        if "loss" in metrics:
+            out["final_loss"] = float(metrics["loss"])
+        self._next_step = step + 1
+        if (step + 1) % self._every == 0 and step + 1 < self._num_steps:
+            self._snapshot(step + 1, new_state, ledger, plan)
 
     def _stops_before(self, plan: GroupPlan, step: int) -> bool:
         with self._lock:

@@ -25,6 +25,7 @@ subsets can form a mesh. Only this module and :func:`is_peer_loss`'s patterns kn
 """
 from __future__ import annotations
 
+import gc
 import re
 import socket
 import time
@@ -126,14 +127,17 @@ def leave() -> float:
     start = time.monotonic()
     state = _state()
     client, state.client = state.client, None
+    # The backend first: once nothing else holds it (the caller dropped its arrays), it is destroyed here and its
+    # collectives' sockets close, which makes peers still waiting on this process fail at once.
+    jax.extend.backend.clear_backends()
+    jax.clear_caches()
+    gc.collect()
     if client is not None:
         try:
             client.shutdown()
         except Exception:  # noqa: BLE001 - a broken group cannot shut down cleanly; its service goes anyway
             pass
     state.process_id, state.num_processes = 0, 1
-    jax.extend.backend.clear_backends()
-    jax.clear_caches()
     return time.monotonic() - start
 
 

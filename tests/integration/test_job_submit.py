@@ -165,7 +165,7 @@ def _stop_head(head: RayHead) -> dict[int, str]:
     return left
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     if not RAY.exists():
         pytest.skip(f"no ray CLI next to {sys.executable}")
@@ -258,3 +258,32 @@ def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
         assert (pkg / "elastic").is_dir(), sorted(os.listdir(pkg))
         for ignored in (".venv", ".git", ".pytest_cache"):
             assert not (pkg / ignored).exists(), f"{ignored} was uploaded: {sorted(os.listdir(pkg))}"
+
+
+@pytest.mark.timeout(240)
+def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
+    """The multi-controller demo as a job: its driver hosts the coordination services, its workers are actors of
+    the job; one is SIGKILLed and the other two re-form in place."""
+    cmd = [
+        str(RAY), "job", "submit",
+        "--address", ray_head.dashboard_url,
+        "--working-dir", str(REPO_ROOT),
+        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+        "--", str(PYTHON), "-m", "elastic.cli", "demo", "--scenario", "multi-process", "--slices", "3",
+        "--steps", "16", "--kill-at", "7", "--revive-at", "16", "--json",
+    ]
+    try:
+        out = subprocess.run(cmd, env=ray_head.env, cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=SUBMIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`ray job submit` did not finish within {SUBMIT_TIMEOUT_S}s; output so far:\n"
+                    f"{e.stdout}\n{e.stderr}\nhead log:\n{ray_head.log()}")
+    output = out.stdout + "\n" + out.stderr
+    assert out.returncode == 0, f"`ray job submit` exited {out.returncode}:\n{output}\nhead log:\n{ray_head.log()}"
+    reports = [r for r in _json_lines(out.stdout) if "worker_processes_restarted" in r]
+    assert reports, f"no JSON report of a multi-process job in the job's output:\n{output}"
+    report = reports[-1]
+    assert report["mode"] == "multi-process" and report["steps_committed"] == 16, report
+    assert report["failures_injected"] == 1 and report["recoveries"] == 1, report
+    assert report["worker_processes_restarted"] == 0 and report["client_restarts"] == 0, report
+    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
