@@ -4,7 +4,7 @@ The demo MLP of :mod:`elastic.demo` (adam, ``batch(step, 48)``: 48 rows split ov
 every worker. At ``kill_at`` the driver SIGKILLs one worker's process; the three survivors' next collective
 fails within the collective timeout, they re-form the ``jax.distributed`` group in place (same processes) over
 6 devices and resume from their host snapshots. Then a new process is started for the lost slice and joins at
-a step boundary (not before ``revive_at``), and the job ends on 4 workers again. With ``verify`` the final
+a step boundary (by ``revive_at``), and the job ends on 4 workers again. With ``verify`` the final
 parameters are compared with a reference: the same model and batches trained by a plain jax + optax loop
 (no library) in the driver process over its 8 CPU devices, every step.
 """
@@ -67,7 +67,7 @@ def loop(run: McRun) -> Any:
 class ProcessFaults:
     """A driver hook: SIGKILL slice ``kill_slice``'s process once the group reaches ``kill_at`` (or send it
     ``sig``: SIGSTOP hangs it), and start a new process for that slice right after, which joins the survivors at
-    a step boundary not before ``revive_at``."""
+    a step boundary once it is up, by ``revive_at`` at the latest."""
 
     def __init__(self, *, kill_slice: int, kill_at: int, revive_at: int | None, sig: int = signal.SIGKILL) -> None:
         self.kill_slice, self.kill_at, self.revive_at, self.sig = kill_slice, kill_at, revive_at, sig
@@ -79,7 +79,7 @@ class ProcessFaults:
             driver.kill_worker(self.kill_slice, self.sig)
             if self.revive_at is not None:  # the host comes back at once; its new process takes seconds to start
                 self.revived = True
-                driver.add_slice(self.kill_slice, join_at=self.revive_at)
+                driver.add_slice(self.kill_slice, join_by=self.revive_at)
 
 
 def reference_params(spec: McDemoSpec, devices: int | None = None) -> tuple[Any, float]:

@@ -94,7 +94,7 @@ class McDriver:
         self._hooks = hooks
         self.workers: dict[int, Any] = {}
         self.pids: dict[int, int] = {}
-        self._joining: dict[int, tuple[Any, Any, int]] = {}  # slice -> (worker, its where() ref, join_at step)
+        self._joining: dict[int, tuple[Any, Any, int | None]] = {}  # slice -> (worker, its where() ref, join_by)
         self._nodes: dict[int, str] = {}  # slice -> the Ray node its worker runs on
         self._host, self._node = "127.0.0.1", ""
         self.timeline = Timeline()
@@ -150,11 +150,12 @@ class McDriver:
         """Wall times of the faults recorded."""
         return [t for t, _, _ in self.faults]
 
-    def add_slice(self, slice_index: int, *, join_at: int = 0) -> None:
-        """Start a new worker process for ``slice_index``; it joins the group at a step boundary once it is up,
-        not before step ``join_at``."""
+    def add_slice(self, slice_index: int, *, join_by: int | None = None) -> None:
+        """Start a new worker process for ``slice_index``; it joins the group at the next step boundary once it
+        is up (the group trains on meanwhile). With ``join_by``, the group also stops before about that step at
+        the latest and waits there for it (up to ``startup_timeout_s``)."""
         worker = self._spawn(slice_index)
-        self._joining[slice_index] = (worker, worker.where.remote(), join_at)
+        self._joining[slice_index] = (worker, worker.where.remote(), join_by)
         self.timeline.add("worker_starting", slice=slice_index)
 
     def close(self) -> None:
@@ -294,8 +295,8 @@ class McDriver:
                 self.timeline.add("group_aborted", epoch=plan.epoch, pending=sorted(pending.values()))
             if failed_at is None and pending:
                 step = self._progress(pending.values())
-                if not stop_sent and self.joiners_ready() and not self._any_done(pending):  # a planned boundary
-                    stop_at = max([step + cfg.stop_margin_steps] + [j for _, _, j in self._joining.values()])
+                if not stop_sent and self._join_due(step) and not self._any_done(pending):  # a planned boundary
+                    stop_at = step + cfg.stop_margin_steps
                     if stop_at < cfg.num_steps:
                         for s in pending.values():
                             self.workers[s].request_stop.remote(plan.epoch, stop_at)
@@ -326,6 +327,14 @@ class McDriver:
                 os.kill(self.pids[slice_index], signal.SIGKILL)
             except (ProcessLookupError, KeyError):
                 pass
+
+    def _join_due(self, step: int) -> bool:
+        """Whether to plan a join boundary now: every new process is up, or the group is within the stop margin
+        of a ``join_by`` step (it then stops there and waits for them)."""
+        if not self._joining:
+            return False
+        by = [j for _, _, j in self._joining.values() if j is not None]
+        return self.joiners_ready() or bool(by and step + self.config.stop_margin_steps >= min(by))
 
     def joiners_ready(self) -> bool:
         """Whether new processes wait to join and all of them are up (so a boundary planned now is not waited
