@@ -43,6 +43,8 @@ def _demo(args: argparse.Namespace) -> int:
             setattr(args, name, value)
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.scenario == "multi-process" and not args.verbose:  # each group's coordination service warns that
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
     _force_cpu_devices(args.slices * args.devices_per_slice)
     from elastic.cluster import connect
     from elastic.demo import DemoSpec, run_demo
@@ -84,6 +86,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.scenario == "multi-process" and not args.verbose:  # each group's coordination service warns that
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
     from elastic.chaos_report import ScheduleResult
     from elastic.chaos_runner import ChaosRunner
     from elastic.log import configure_logging
