@@ -86,8 +86,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.scenario == "multi-process" and not args.verbose:  # each group's coordination service warns that
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
     from elastic.chaos_report import ScheduleResult
     from elastic.chaos_runner import ChaosRunner
     from elastic.log import configure_logging

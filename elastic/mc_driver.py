@@ -17,12 +17,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic import mc_store
 from elastic.config import Policy
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.mc_snapshots import common_step
@@ -50,6 +53,9 @@ class McConfig:
     pass_timeout_s: float = 600.0  # one pass of the loop over one group, at most
     stop_margin_steps: int = 3  # a join boundary is at least this many steps after the progress seen
     replace_lost: bool = True  # start a new process for every lost slice at once; it joins at a step boundary
+    # Keep host snapshots in files on each worker's node (tmpfs), so that they outlive a worker process: a new
+    # process for a lost slice, started on its node, takes them over when the survivors alone miss a shard.
+    node_store: bool = True
     policy: Policy = field(default_factory=lambda: Policy(min_slices=1))
     # What one worker process needs of a node (one host of a slice), e.g. {"GPU": 8} or a custom host resource
     # such as {"trainer_host": 1}: Ray places each worker where that is free. Empty: anywhere.
@@ -88,9 +94,11 @@ class McDriver:
                  shardings_fn: Callable[..., Any] | None = None,
                  hooks: tuple[Callable[[McDriver, int], None], ...] = ()) -> None:
         self.config = config
+        self.run_id = uuid.uuid4().hex[:12]
+        self._store_root = mc_store.default_root(self.run_id) if config.node_store else None
         self._worker_args = {"init_fn": init_fn, "loop": loop, "shardings_fn": shardings_fn,
                              "num_steps": config.num_steps, "snapshot_every": config.snapshot_every,
-                             "seed": config.seed}
+                             "seed": config.seed, "store_root": self._store_root}
         self._hooks = hooks
         self.workers: dict[int, Any] = {}
         self.pids: dict[int, int] = {}
@@ -105,8 +113,12 @@ class McDriver:
 
     # -- workers ------------------------------------------------------------------------------------
     def _spawn(self, slice_index: int) -> Any:
+        """A worker process for ``slice_index``; a replacement prefers the node of the process it replaces
+        (where that one's node store is), and goes elsewhere if that node is gone or full."""
+        node = self._nodes.get(slice_index)
+        placement = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
         cls = ray.remote(SliceWorker).options(
-            **self.config.worker_options(), max_concurrency=8, max_restarts=0,
+            **self.config.worker_options(), **placement, max_concurrency=8, max_restarts=0,
             runtime_env={"env_vars": distributed.collective_env(self.config.devices_per_slice,
                                                                 collective_timeout_s=self.config.collective_timeout_s)})
         return cls.remote(slice_index, **self._worker_args)
@@ -169,6 +181,15 @@ class McDriver:
         for service in self._services:
             service.stop()
         self._services.clear()
+        if self._store_root is not None:
+            self._remove_stores()
+
+    def _remove_stores(self) -> None:
+        """Remove this job's node-store files on every node a worker ran on (bounded; a node gone took its own)."""
+        refs = [_remove_store.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                .remote(self._store_root) for n in set(self._nodes.values())]
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+        mc_store.remove_job(self._store_root)  # the driver's node, whether or not a worker ran there
 
     def __enter__(self) -> McDriver:
         self.start()
@@ -185,11 +206,11 @@ class McDriver:
         tally = HealthTally(cfg.policy, [HealthEvent(time=time.monotonic(), slice=s, healthy=True) for s in members])
         report = Report(slices_initial=len(members), min_slices_seen=len(members))
         extra: dict[str, Any] = {"mode": "multi-process", "worker_processes_restarted": 0, "survivors_lost": 0,
-                                 "workers_hung_killed": 0, "reform_seconds": [], "detection_seconds": [],
+                                 "workers_hung_killed": 0, "restored_from_node_store": 0,
+                                 "reform_seconds": [], "detection_seconds": [],
                                  "worker_pids": {}}
         faults_seen = 0
         start_step: int | None = None
-        start_step_was: int | None = None
         executed = 0
         last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
         recovering: float | None = None  # wall time of the failure being recovered from
@@ -250,13 +271,24 @@ class McDriver:
             faults_seen = len(self.faults)
             helds = [ray.get(self.workers[s].held.remote(), timeout=30) for s in survivors]
             start_step = common_step(helds)
-            if start_step is None and start_step_was is not None:
+            if start_step is None and lost and executed:
+                adopters = self._adopters(lost)  # new processes for lost slices, with what their nodes kept
+                start_step = common_step(helds + list(adopters.values()))
+                if start_step is not None:
+                    for s in adopters:
+                        tally.add(HealthEvent(time=now, slice=s, healthy=True))
+                    view = View(epoch=view.epoch + 1, active=view.active | frozenset(adopters),
+                                reason=f"new processes for slice(s) {sorted(adopters)} restore from the snapshots "
+                                       "their predecessors left on their nodes")
+                    report.grows += 1
+                    extra["restored_from_node_store"] += len(adopters)
+                    self.timeline.add("node_store_adopted", slices=sorted(adopters), step=start_step)
+            if start_step is None and lost and executed:  # never silently from step 0 again
                 raise ElasticError(
                     f"the surviving slices {survivors} do not hold the whole state of any step: slice(s) "
                     f"{sorted(lost)} were lost together with the buddy copies of their shards. Nothing was "
                     "restarted from scratch; resume from a persistent checkpoint, or keep state replicated across "
                     "slices (or sharded within one) so that each survivor holds a whole copy")
-            start_step_was = start_step
             self.timeline.add("restore_from", step=start_step, survivors=survivors)
             members = tuple(sorted(view.active))
             report.min_slices_seen = min(report.min_slices_seen, len(members))
@@ -327,6 +359,25 @@ class McDriver:
                 os.kill(self.pids[slice_index], signal.SIGKILL)
             except (ProcessLookupError, KeyError):
                 pass
+
+    def _adopters(self, lost: set[int]) -> dict[int, dict[int, dict[str, Any]]]:
+        """The new processes for ``lost`` slices that are up within ``startup_timeout_s``, taken into the group
+        now, with what each holds (its predecessor's node-store generations): slice -> ``held()``."""
+        waiting = {s: self._joining[s] for s in sorted(lost) if s in self._joining}
+        if not waiting:
+            return {}
+        refs = [ref for _, ref, _ in waiting.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.startup_timeout_s)
+        found: dict[int, dict[int, dict[str, Any]]] = {}
+        for s, (worker, ref, _) in waiting.items():
+            try:
+                self.pids[s], self._nodes[s] = ray.get(ref, timeout=0)
+                found[s] = ray.get(worker.held.remote(), timeout=30)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                continue
+            self.workers[s] = worker
+            del self._joining[s]
+        return found
 
     def _join_due(self, step: int) -> bool:
         """Whether to plan a join boundary now: every new process is up, or the group is within the stop margin
@@ -404,3 +455,8 @@ class McDriver:
         report.timeline = self.timeline.events
         extra["worker_pids"] = dict(self.pids)
         return {"report": {**report.to_dict(), **extra}, "params": head.get("params")}
+
+
+@ray.remote(num_cpus=0)
+def _remove_store(root: str) -> None:
+    mc_store.remove_job(root)

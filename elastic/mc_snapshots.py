@@ -10,12 +10,15 @@ takes them apart and puts them together.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from elastic.mc_store import NodeStore
 
 __all__ = ["Generation", "HostSnapshots", "Region", "common_step", "region_of", "take"]
 
@@ -65,24 +68,59 @@ def _covers(outer: Region, inner: Region) -> bool:
 
 
 class HostSnapshots:
-    """The generations one worker holds: its own, and those sent by the workers it is buddy to."""
+    """The generations one worker holds: its own, and those sent by the workers it is buddy to. With a
+    ``store``, each is kept in files on the node (:mod:`elastic.mc_store`) that outlive this process; a store
+    that cannot take one (full, missing) is counted in ``store_errors`` and the generation is kept in memory."""
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 2, store: NodeStore | None = None) -> None:
         self.keep = keep
+        self.store = store
+        self.store_errors = 0
         self.own: dict[int, Generation] = {}
         self.buddies: dict[int, dict[int, Generation]] = {}  # slice -> step -> generation
 
+    def _stored(self, kind: str, gen: Generation) -> Generation | None:
+        if self.store is None:
+            return None
+        try:
+            return self.store.put(kind, gen)
+        except OSError:
+            self.store_errors += 1
+            return None
+
+    def _dropper(self, kind: str) -> Callable[[int], None]:
+        return lambda step: self.store.drop(kind, step) if self.store is not None else None
+
     def add_own(self, gen: Generation) -> None:
-        self.own[gen.step] = gen
-        _trim(self.own, self.keep)
+        self.own[gen.step] = self._stored("own", gen) or gen
+        _trim(self.own, self.keep, self._dropper("own"))
 
     def add_buddy(self, slice_index: int, gen: Generation) -> None:
         """Keep a copy sent by ``slice_index``'s worker (its arrays copied: the sender's buffers may go)."""
-        held = Generation(step=gen.step, meta=dict(gen.meta), regions=list(gen.regions),
-                          pieces=[{r: np.array(a, copy=True) for r, a in leaf.items()} for leaf in gen.pieces])
+        held = self._stored(f"buddy-{slice_index}", gen) or Generation(
+            step=gen.step, meta=dict(gen.meta), regions=list(gen.regions),
+            pieces=[{r: np.array(a, copy=True) for r, a in leaf.items()} for leaf in gen.pieces])
         generations = self.buddies.setdefault(slice_index, {})
         generations[gen.step] = held
-        _trim(generations, self.keep)
+        _trim(generations, self.keep, self._dropper(f"buddy-{slice_index}"))
+
+    def adopt(self) -> int:
+        """Take over what an earlier process for this slice left in the store (it died, the node lives on);
+        the number of generations found."""
+        if self.store is None:
+            return 0
+        count = 0
+        for kind, generations in self.store.load().items():
+            if kind == "own":
+                target, drop = self.own, self._dropper("own")
+            elif kind.startswith("buddy-"):
+                target, drop = self.buddies.setdefault(int(kind.split("-", 1)[1]), {}), self._dropper(kind)
+            else:
+                continue
+            target.update(generations)
+            _trim(target, self.keep, drop)
+            count += sum(1 for step in generations if step in target)
+        return count
 
     def _generations(self, step: int) -> list[Generation]:
         found = [self.own[step]] if step in self.own else []
@@ -112,9 +150,10 @@ class HostSnapshots:
         return None
 
 
-def _trim(generations: dict[int, Generation], keep: int) -> None:
+def _trim(generations: dict[int, Generation], keep: int, drop: Callable[[int], None] = lambda step: None) -> None:
     for step in sorted(generations)[:-keep]:
         del generations[step]
+        drop(step)
 
 
 def common_step(helds: Sequence[dict[int, dict[str, Any]]]) -> int | None:

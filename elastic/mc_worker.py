@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic.mc_run import Aborted, Boundary, McRun
 from elastic.mc_snapshots import Generation, HostSnapshots, Region, region_of, take
+from elastic.mc_store import NodeStore
 from elastic.report import Ledger
 from runtime import distributed
 from runtime.mesh import default_mesh
@@ -55,11 +56,14 @@ class SliceWorker:
 
     def __init__(self, slice_index: int, *, init_fn: Callable[[jax.Array], Any], loop: Callable[[McRun], Any],
                  num_steps: int, snapshot_every: int, seed: int = 0,
-                 shardings_fn: Callable[[Any], Any] | None = None) -> None:
+                 shardings_fn: Callable[[Any], Any] | None = None, store_root: str | None = None) -> None:
         self.slice = slice_index
         self._init_fn, self._loop, self._shardings_fn = init_fn, loop, shardings_fn
         self._num_steps, self._every, self._seed = num_steps, snapshot_every, seed
-        self._snaps = HostSnapshots(keep=2)
+        # With a node store, generations live in files on this node that outlive this process; a new process
+        # for this slice on this node takes over what its predecessor left there.
+        self._snaps = HostSnapshots(keep=2, store=NodeStore(store_root, slice_index) if store_root else None)
+        self.adopted = self._snaps.adopt()
         self._lock = threading.Lock()
         self._epoch = -1
         self._aborted = threading.Event()  # set when the driver aborted the current pass
@@ -91,6 +95,9 @@ class SliceWorker:
 
     def held(self) -> dict[int, dict[str, Any]]:
         return self._snaps.held()
+
+    def store_errors(self) -> int:
+        return self._snaps.store_errors
 
     def piece(self, step: int, leaf: int, region: Region) -> np.ndarray | None:
         return self._snaps.find(step, leaf, region)

@@ -118,3 +118,93 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# -- state sharded across slices: a worker and the holder of its buddy copies die together -------------------
+
+ROWS = 12  # splits over 4 and 2 slices
+STEPS = 40
+
+
+def _sharded_init(key):  # noqa: ANN001, ANN202
+    import jax
+
+    return {"w": jax.random.normal(key, (ROWS, 4))}
+
+
+def _sharded_specs(mesh):  # noqa: ANN001, ANN202
+    from jax.sharding import PartitionSpec
+
+    return {"w": PartitionSpec("replica")}  # each slice holds its own rows only
+
+
+def _sharded_step(state, x):  # noqa: ANN001, ANN202
+    return {"w": state["w"] * 0.9 + 0.1 * x.mean()}
+
+
+def _sharded_loop(run):  # noqa: ANN001, ANN202
+    from elastic.demo import batch
+
+    state, step_fn = run.state, run.jit(_sharded_step)
+    for step in run.steps:
+        state = step_fn(state, run.shard_batch(batch(step, 48)["x"]))
+        run.commit(state)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return run.jit(lambda s: s, out_shardings=NamedSharding(run.mesh, PartitionSpec()))(state)  # gathered, to check
+
+
+def _sharded_reference(steps: int) -> np.ndarray:
+    import jax
+
+    from elastic.demo import batch
+
+    state = _sharded_init(jax.random.key(0))
+    for step in range(steps):
+        state = _sharded_step(state, batch(step, 48)["x"])
+    return np.asarray(state["w"])
+
+
+class _KillTwo:
+    """SIGKILL slices 1 and 2 together at ``at``: slice 2 held slice 1's buddy copies."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.done = at, False
+
+    def __call__(self, driver: McDriver, step: int) -> None:
+        if not self.done and step >= self.at:
+            self.done = True
+            driver.kill_worker(1)
+            driver.kill_worker(2)
+
+
+def _sharded_job(node_store: bool) -> dict:
+    config = McConfig(num_steps=STEPS, num_slices=4, snapshot_every=5, node_store=node_store,
+                      policy=Policy(min_slices=1))
+    with McDriver(config, init_fn=_sharded_init, loop=_sharded_loop, shardings_fn=_sharded_specs,
+                  hooks=(_KillTwo(8),)) as driver:
+        root = driver._store_root
+        out = driver.run()
+    assert root is None or not os.path.exists(root), "the node store outlived the job"
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_new_processes_take_over_the_snapshots_their_dead_predecessors_left_on_the_node(ray_local) -> None:  # noqa: ANN001
+    out = _sharded_job(node_store=True)
+    report = out["report"]
+    assert report["restored_from_node_store"] >= 1, report
+    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0 and report["steps_committed"] == STEPS
+    assert report["worker_processes_restarted"] == 0 and report["slices_final"] == 4
+    adopted = next(e for e in report["timeline"] if e["event"] == "node_store_adopted")
+    assert adopted["step"] > 0  # a snapshot before the kill, whole again with the predecessors' files
+    w = np.asarray(out["params"]["w"])
+    np.testing.assert_allclose(w, _sharded_reference(STEPS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_without_the_node_store_losing_a_shard_and_its_copy_is_a_clear_error(ray_local) -> None:  # noqa: ANN001
+    from elastic.errors import ElasticError
+
+    with pytest.raises(ElasticError, match=r"do not hold the whole state of any step: slice\(s\) \[1, 2\]"):
+        _sharded_job(node_store=False)
