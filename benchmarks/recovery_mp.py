@@ -14,6 +14,10 @@ failed, or aborted), ``regroup`` (-> the new group formed), ``restore_and_first_
 ``survivor_failures`` says how each survivor left: ``aborted``, ``connection broke`` or ``timed out`` (gloo's
 collective timeout, ``McConfig.collective_timeout_s``: the bound when the driver cannot see the loss).
 
+Ours runs twice: with host snapshots kept in node files (``McConfig.node_store``, the default: they outlive a
+worker process) and in process memory only (``in_memory_only``), so that ``snapshot_seconds_per_snapshot`` shows
+what keeping them on the node costs the training thread.
+
 Baseline: what a restart-based job (Ray Train's elastic JaxTrainer, MaxText) pays at that moment: 3 FRESH
 worker processes (Ray actors, same env as McDriver's) import jax and orbax, join a new group through a
 coordination service hosted here, build the same mesh over their 6 devices, restore the same state from an
@@ -138,13 +142,13 @@ class FreshWorker:
         return distributed.leave()
 
 
-def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
+def run_ours(mib: int, kill_at: int, steps: int, node_store: bool = True) -> dict[str, Any]:
     from elastic.config import Policy
     from elastic.mc_demo import ProcessFaults
     from elastic.mc_driver import McConfig, McDriver
 
     config = McConfig(num_steps=steps, num_slices=SLICES, devices_per_slice=DEVICES, snapshot_every=5,
-                      policy=Policy(min_slices=2), replace_lost=False)
+                      policy=Policy(min_slices=2), replace_lost=False, node_store=node_store)
     hook = ProcessFaults(kill_slice=1, kill_at=kill_at, revive_at=None)
     with McDriver(config, init_fn=init_fn(rows_for(mib)), loop=loop, shardings_fn=shardings_fn,
                   hooks=(hook,)) as driver:
@@ -160,6 +164,7 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     errors = [e["error"] for e in events if e["event"] == "collective_failed" and t_kill <= e["t"] <= t_group]
     return {
         "resume_seconds": resume,
+        "snapshot_seconds_per_snapshot": round(report["snapshot_blocking_seconds"] / report["snapshots_taken"], 4),
         "collective_timeout_s": config.collective_timeout_s,
         "phases": {"leave_broken_group": round(t_left - t_kill, 3), "regroup": round(t_group - t_left, 3),
                    "restore_and_first_step": round(t_kill + resume - t_group, 3)},
@@ -236,6 +241,7 @@ def run(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     started = connect()
     try:
         ours = run_ours(mib, kill_at, steps)
+        in_memory = run_ours(mib, kill_at, steps, node_store=False)
         base = run_baseline(mib, kill_at)
     finally:
         if started:
@@ -248,6 +254,8 @@ def run(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
         "baseline_resume_seconds": base["resume_seconds"],
         "speedup": round(base["resume_seconds"] / resume, 2),
         "ours_without_leaving": without,
+        "in_memory_only": {"resume_seconds": in_memory["resume_seconds"],
+                           "snapshot_seconds_per_snapshot": in_memory["snapshot_seconds_per_snapshot"]},
         "speedup_without_leaving": round(base["resume_seconds"] / without, 2),
         **ours,
         "baseline_phases": base["phases"],

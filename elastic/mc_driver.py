@@ -116,7 +116,9 @@ class McDriver:
         """A worker process for ``slice_index``; a replacement prefers the node of the process it replaces
         (where that one's node store is), and goes elsewhere if that node is gone or full."""
         node = self._nodes.get(slice_index)
-        placement = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+        alive = node is not None and any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+        # (soft affinity to a removed node left the replacement pending here, Ray 2.60: only a live one is named)
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if alive else {}
         cls = ray.remote(SliceWorker).options(
             **self.config.worker_options(), **placement, max_concurrency=8, max_restarts=0,
             runtime_env={"env_vars": distributed.collective_env(self.config.devices_per_slice,
