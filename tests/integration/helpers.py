@@ -84,14 +84,24 @@ def gated_mc_loop(gate: str, at_step: int):
     return gated
 
 
-class JoinGate:
-    """A driver hook: opens ``gate`` once a new worker process waits to join and is up."""
+class Gate:
+    """A driver hook: opens ``gate`` once ``when(driver)`` holds."""
 
-    def __init__(self, gate: str) -> None:
-        self.gate = gate
+    def __init__(self, gate: str, when) -> None:
+        self.gate, self.when = gate, when
 
     def __call__(self, driver, step: int) -> None:
         import os
 
-        if not os.path.exists(self.gate) and driver.joiners_ready():
+        if not os.path.exists(self.gate) and self.when(driver):
             open(self.gate, "w").close()
+
+
+def JoinGate(gate: str) -> Gate:  # noqa: N802 - reads as the hook it makes
+    """Opens ``gate`` once a new worker process waits to join and is up."""
+    return Gate(gate, lambda driver: driver.joiners_ready())
+
+
+def FaultGate(gate: str) -> Gate:  # noqa: N802
+    """Opens ``gate`` once a fault was caused: a group held at the gated step meets the fault exactly there."""
+    return Gate(gate, lambda driver: bool(driver.faults))

@@ -102,15 +102,20 @@ def test_join_leave_reform_in_the_same_processes() -> None:
 
 # -- with Ray: real worker processes, one SIGKILLed ---------------------------------------------------------
 
-def _run(spec, *, revive_at):  # noqa: ANN001, ANN202
+def _run(spec, *, revive_at, gate=None):  # noqa: ANN001, ANN202
+    """With ``gate`` (a file path), the group waits before ``kill_at`` until the kill: it lands exactly there."""
     from elastic.config import Policy
     from elastic.mc_demo import ProcessFaults, init_state, loop
     from elastic.mc_driver import McConfig, McDriver
 
+    from .helpers import FaultGate, gated_mc_loop
+
     config = McConfig(num_steps=spec.steps, num_slices=spec.num_slices, snapshot_every=spec.snapshot_every,
                       replace_lost=revive_at is not None, policy=Policy(min_slices=1))
     faults = ProcessFaults(kill_slice=spec.kill_slice, kill_at=spec.kill_at, revive_at=revive_at)
-    with McDriver(config, init_fn=init_state, loop=loop, hooks=(faults,)) as driver:
+    hooks = (faults,) if gate is None else (faults, FaultGate(gate))
+    step_loop = loop if gate is None else gated_mc_loop(gate, spec.kill_at)
+    with McDriver(config, init_fn=init_state, loop=step_loop, hooks=hooks) as driver:
         out = driver.run()
     return out["report"], out["params"]
 
@@ -130,42 +135,43 @@ def _check_promises(report, params, spec) -> None:  # noqa: ANN001
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(120)
-def test_sigkilled_worker_survivors_reform_in_place(ray_local) -> None:  # noqa: ANN001
+@pytest.mark.timeout(150)
+def test_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_local, tmp_path) -> None:  # noqa: ANN001
+    """A random worker SIGKILLed at a random step (seeded: ``ELASTIC_TEST_SEED`` replays a failure); the survivors
+    re-form in their own processes, and a new process for the slice joins at a boundary by ``revive_at``."""
+    import random
+
     from elastic.mc_demo import McDemoSpec
 
-    spec = McDemoSpec(steps=20, num_slices=3, kill_slice=1, kill_at=6, snapshot_every=5)
-    report, params = _run(spec, revive_at=None)
+    seed = int(os.environ.get("ELASTIC_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    rng = random.Random(seed)
+    kill_at = rng.randint(1, 10)
+    spec = McDemoSpec(steps=24, num_slices=3, kill_slice=rng.randrange(3), kill_at=kill_at, revive_at=kill_at + 6,
+                      snapshot_every=5)
+    print(f"ELASTIC_TEST_SEED={seed}: slice {spec.kill_slice} killed at step {spec.kill_at}")
+    report, params = _run(spec, revive_at=spec.revive_at, gate=str(tmp_path / "gate"))
     _check_promises(report, params, spec)
     started = next(e for e in report["timeline"] if e["event"] == "workers_started")["pids"]
-    killed = next(e for e in report["timeline"] if e["event"] == "worker_killed")
-    assert killed["pid"] == started[1]
-    survivors = {s: pid for s, pid in report["worker_pids"].items() if s != 1}
-    lost = [e["slice"] for e in report["timeline"] if e["event"] == "worker_lost"]
+    assert killed_pid(report) == started[spec.kill_slice]
+    assert report["steps_recomputed"] == spec.kill_at % spec.snapshot_every  # back to the snapshot before it
+    lost = {e["slice"] for e in report["timeline"] if e["event"] == "worker_lost"}
     assert report["worker_processes_restarted"] == 0
-    for s, pid in survivors.items():
-        if s not in lost:  # a survivor re-formed in its own process
-            assert pid == started[s]
-    assert report["min_slices_seen"] == 3 - len(set(lost))  # the killed one, and any survivor gloo aborted
-    assert report["survivors_lost"] == len(set(lost)) - 1
+    survivors = [s for s in range(3) if s not in lost]
+    first_after = next(e for e in report["timeline"] if e["event"] == "group_formed" and e["epoch"] == 2)
+    assert first_after["members"] == survivors  # the killed one, and any survivor gloo aborted, left out
+    assert report["survivors_lost"] == len(lost) - 1
     assert report["reform_seconds"] and report["reform_seconds"][0] < 5.0
 
-
-@pytest.mark.integration
-@pytest.mark.timeout(150)
-def test_new_worker_joins_at_a_step_boundary(ray_local) -> None:  # noqa: ANN001
-    from elastic.mc_demo import McDemoSpec
-
-    spec = McDemoSpec(steps=30, num_slices=3, kill_slice=1, kill_at=6, snapshot_every=5)
-    report, params = _run(spec, revive_at=14)
-    _check_promises(report, params, spec)
-    assert report["grows"] == 1
-    assert report["worker_processes_restarted"] == 0
+    assert report["grows"] == 1 and report["slices_final"] == 3  # the new processes joined
     join = next(e for e in report["timeline"] if e["event"] == "join_requested")
-    assert join["before_step"] <= 14 + 6  # by revive_at (14), give or take the steps between two polls
-    grown = [e for e in report["timeline"] if e["event"] == "group_formed" and 1 in e["members"]][-1]
+    assert join["before_step"] <= spec.revive_at + 6  # by revive_at, give or take the steps between two polls
+    grown = [e for e in report["timeline"] if e["event"] == "group_formed"][-1]
+    assert grown["members"] == [0, 1, 2]
     assert grown["start_step"] == join["before_step"]  # the new member starts at the boundary, from peers' shards
-    assert report["worker_pids"][1] != killed_pid(report)
+    for s in survivors:  # the survivors ran every group in their first process
+        assert report["worker_pids"][s] == started[s]
+    for s in lost:
+        assert report["worker_pids"][s] != started[s]
 
 
 def killed_pid(report) -> int:  # noqa: ANN001
