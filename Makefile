@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python ../shared/tools/check_layers.py . || test ! -f ../shared/tools/check_layers.py
-	$(BIN)/python -m pytest -n 2 --dist loadfile  # two workers, whole files each: most tests wait on Ray, not the CPU
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder  # two workers, whole files each, longest first (tests/conftest.py): most tests wait on Ray, not the CPU
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

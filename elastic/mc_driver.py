@@ -49,6 +49,7 @@ class McConfig:
     seed: int = 0
     collective_timeout_s: int = 5  # a collective with a dead peer raises after this (gloo)
     settle_timeout_s: float = 15.0  # after a failure, a member still in the pass past this is hung: killed, replaced
+    rendezvous_timeout_s: int = 5  # a group whose members do not all join within about twice this fails (bounded)
     startup_timeout_s: float = 120.0  # worker processes start (and import jax) within this
     pass_timeout_s: float = 600.0  # one pass of the loop over one group, at most
     stop_margin_steps: int = 3  # a join boundary is at least this many steps after the progress seen
@@ -62,7 +63,8 @@ class McConfig:
     resources_per_worker: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "num_slices", "devices_per_slice", "snapshot_every", "collective_timeout_s"):
+        for name in ("num_steps", "num_slices", "devices_per_slice", "snapshot_every", "collective_timeout_s",
+                     "rendezvous_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"McConfig.{name} must be an integer of at least 1, got {value!r}")
@@ -221,7 +223,8 @@ class McDriver:
             self._services.append(service)
             self._epoch += 1
             plan = GroupPlan(epoch=self._epoch, address=service.address, members=members, start_step=start_step,
-                             peers={s: self.workers[s] for s in members})
+                             peers={s: self.workers[s] for s in members},
+                             rendezvous_timeout_s=cfg.rendezvous_timeout_s)
             self.timeline.add("group_formed", epoch=plan.epoch, members=list(members), start_step=start_step,
                               port=service.port)
             results, lost, stuck, detected_at = self._watch(plan)
@@ -234,10 +237,11 @@ class McDriver:
                 last_pid[s] = res["pid"]
             if recovering is not None:
                 firsts = [r["first_commit_at"] for r in results.values() if r.get("first_commit_at")]
-                if firsts:
+                if firsts:  # else this group failed too: the recovery goes on, timed from the first failure
                     report.recovery_seconds.append(round(min(firsts) - recovering, 3))
-                    extra["reform_seconds"].append(round(max(r["reform_seconds"] for r in results.values()), 3))
-                recovering = None
+                    extra["reform_seconds"].append(round(max(r.get("reform_seconds") or 0.0
+                                                             for r in results.values()), 3))
+                    recovering = None
             head = results.get(members[0])
             executed += max((r["executed"] for r in results.values()), default=0)  # members run in lockstep
             errors = [r for r in results.values() if r["status"] == "error"]
@@ -246,6 +250,7 @@ class McDriver:
                                    f"{errors[0]['traceback']}")
             if head is not None and head["status"] == "finished":
                 return self._finish(report, extra, head, executed, members)
+            helds = self._probe(members, lost)  # a survivor may die after its pass ended (gloo aborts it late)
             now = time.monotonic()
             for s in sorted(lost):
                 tally.add(HealthEvent(time=now, slice=s, healthy=False, cause="worker process died"))
@@ -267,15 +272,14 @@ class McDriver:
             elif not isinstance(decision, Stay):
                 raise GiveUpError(decision.reason, epoch=view.epoch)
             survivors = [s for s in members if s not in lost]
-            if lost:  # timed from the fault when it was caused from outside, else from its first sign
+            if lost and recovering is None:  # timed from the fault when caused from outside, else its first sign
                 recovering = self.faults[-1][0] if len(self.faults) > faults_seen else detected_at
                 extra["detection_seconds"].append(round(detected_at - recovering, 3))
             faults_seen = len(self.faults)
-            helds = [ray.get(self.workers[s].held.remote(), timeout=30) for s in survivors]
-            start_step = common_step(helds)
+            start_step = common_step([helds[s] for s in survivors])
             if start_step is None and lost and executed:
                 adopters = self._adopters(lost)  # new processes for lost slices, with what their nodes kept
-                start_step = common_step(helds + list(adopters.values()))
+                start_step = common_step([helds[s] for s in survivors] + list(adopters.values()))
                 if start_step is not None:
                     for s in adopters:
                         tally.add(HealthEvent(time=now, slice=s, healthy=True))
@@ -361,6 +365,20 @@ class McDriver:
                 os.kill(self.pids[slice_index], signal.SIGKILL)
             except (ProcessLookupError, KeyError):
                 pass
+
+    def _probe(self, members: tuple[int, ...], lost: set[int]) -> dict[int, dict[int, dict[str, Any]]]:
+        """What each member not yet in ``lost`` holds (``held()``); one that died after its pass ended, or does
+        not answer within 30 s, is added to ``lost`` (and killed)."""
+        refs = {s: self.workers[s].held.remote() for s in members if s not in lost}
+        helds: dict[int, dict[int, dict[str, Any]]] = {}
+        for s, ref in refs.items():
+            try:
+                helds[s] = ray.get(ref, timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._kill(s)
+                lost.add(s)
+                self.timeline.add("worker_lost", slice=s, epoch=self._epoch, after_pass=True)
+        return helds
 
     def _adopters(self, lost: set[int]) -> dict[int, dict[int, dict[str, Any]]]:
         """The new processes for ``lost`` slices that are up within ``startup_timeout_s``, taken into the group

@@ -49,6 +49,7 @@ class GroupPlan:
     members: tuple[int, ...]
     start_step: int | None
     peers: dict[int, Any]
+    rendezvous_timeout_s: int = 5
 
 
 class SliceWorker:
@@ -113,7 +114,15 @@ class SliceWorker:
             self._aborted = aborted = threading.Event()  # this pass's: an abandoned thread keeps seeing its own
             self._ended = ended = threading.Event()
         index = plan.members.index(self.slice)
-        out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index)
+        out["snapshots"], out["snapshot_seconds"] = self._snapshots, self._snapshot_seconds
+        try:
+            out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
+                                                       timeout_s=plan.rendezvous_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
+            out.update(status="failed", step=self._next_step, failed_at=time.time(), reform_seconds=None,
+                       error=f"the rendezvous of group {plan.epoch} failed: {type(err).__name__}: {str(err)[:300]}",
+                       traceback=traceback.format_exc()[-2000:], leave_seconds=distributed.leave())
+            return out
         failure: dict[str, Any] = {}
 
         def body() -> None:

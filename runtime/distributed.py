@@ -111,14 +111,24 @@ def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} not in 0..{num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax's default callback for a broken group (a failed rendezvous, a lost service) aborts the process; here
+    # the error is recorded and the call that hit it raises instead, so the worker survives to re-form.
     client = _jax.get_distributed_runtime_client(address, process_id, init_timeout=timeout_s,
-                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s)
+                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s,
+                                                 missed_heartbeat_callback=_record_group_error)
     client.connect()
     state.coordinator_address = address
     state.process_id = process_id
     state.num_processes = num_processes
     state.partition_index = None
     state.client = client
+
+
+GROUP_ERRORS: list[str] = []  # what jax's distributed client reported about broken groups, newest last
+
+
+def _record_group_error(*status: object) -> None:
+    GROUP_ERRORS[:] = (GROUP_ERRORS + [" ".join(str(s) for s in status)])[-20:]
 
 
 def leave() -> float:

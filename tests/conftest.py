@@ -23,3 +23,18 @@ def ray_local():
 
     connect()
     yield ray
+
+
+# The longest files first: `make test` hands whole files to two workers (pytest-xdist, --dist loadfile) in
+# collection order, so starting with the long ones keeps one worker from finishing a long file alone at the end.
+_LONG_FIRST = ("test_chaos.py", "test_multi_controller_faults.py", "test_demo_cli.py", "test_job_submit.py",
+               "test_flax.py", "test_multi_controller.py", "test_operator_cli.py", "test_supervision_holes.py",
+               "test_data_pipeline.py", "test_tiers.py")
+
+
+def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001
+    def rank(item) -> int:  # noqa: ANN001
+        name = item.path.name
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file, and among the rest, is kept

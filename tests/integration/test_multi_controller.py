@@ -100,6 +100,40 @@ def test_join_leave_reform_in_the_same_processes() -> None:
         assert [line for line in out.splitlines() if line.startswith("sum")] == ["sum 6.0 4 True"] * 2, out
 
 
+_LONELY = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp
+    from runtime import distributed
+    start = time.monotonic()
+    try:
+        distributed.reform(sys.argv[1], 2, 0, timeout_s=2)  # the other member never comes
+        print("joined", flush=True)
+    except Exception as err:
+        print("refused", round(time.monotonic() - start, 1), type(err).__name__, flush=True)
+    distributed.reform(sys.argv[2], 1, 0)
+    print("sum", float(jax.jit(jnp.sum)(jnp.arange(4.0))), len(jax.devices()), flush=True)
+    distributed.leave()
+""")
+
+
+def test_a_failed_rendezvous_raises_and_the_process_lives_on() -> None:
+    """A group whose other member never joins (it died before the rendezvous): jax's default would abort this
+    process; here the join raises within about twice its timeout and the process joins the next group."""
+    broken, next_group = distributed.CoordinationService(2), distributed.CoordinationService(1)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LONELY, broken.address, next_group.address],
+                              capture_output=True, text=True, timeout=90, env=dict(os.environ, PYTHONPATH=ROOT))
+    finally:
+        broken.stop()
+        next_group.stop()
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lines[0].startswith("refused") and float(lines[0].split()[1]) < 15, lines
+    assert lines[1] == "sum 6.0 2", lines
+
+
 # -- with Ray: real worker processes, one SIGKILLed ---------------------------------------------------------
 
 def _run(spec, *, revive_at, gate=None):  # noqa: ANN001, ANN202
