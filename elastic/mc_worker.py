@@ -120,7 +120,8 @@ class SliceWorker:
                                                        timeout_s=plan.rendezvous_timeout_s)
         except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
             out.update(status="failed", step=self._next_step, failed_at=time.time(), reform_seconds=None,
-                       error=f"the rendezvous of group {plan.epoch} failed: {type(err).__name__}: {str(err)[:300]}",
+                       error=f"the rendezvous of group {plan.epoch} failed: {type(err).__name__}: {str(err)[:200]} "
+                             f"{distributed.GROUP_ERRORS[-1:]}",
                        traceback=traceback.format_exc()[-2000:], leave_seconds=distributed.leave())
             return out
         failure: dict[str, Any] = {}
