@@ -7,32 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import optax
-
 from elastic.config import ElasticConfig, Policy, Tiers
-from elastic.demo import batch, init_params, loss_fn
+from elastic.demo import batch, init_state, train_step
 from elastic.run import Run
 
 __all__ = ["demo_target"]
 
-_optimizer = optax.adam(1e-2)
-
-
-def _init_state(key: jax.Array) -> dict[str, Any]:
-    params = init_params(key)
-    return {"params": params, "opt": _optimizer.init(params)}
-
-
-def _train_step(state: dict[str, Any], data: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], data)
-    updates, opt = _optimizer.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-
 
 def _loop(run: Run) -> Any:
     state = run.state
-    step_fn = run.jit(_train_step)
+    step_fn = run.jit(train_step)
     for step in run.steps:
         state, loss = step_fn(state, run.shard_batch(batch(step, 48)))  # 48 rows split over 4, 6 and 8 devices
         run.commit(state, loss=loss)
@@ -45,4 +29,4 @@ def demo_target() -> dict[str, Any]:
     config = ElasticConfig(job_name="chaos-demo", num_slices=4, devices_per_slice=2, num_steps=40, snapshot_every=5,
                            heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5,
                            policy=Policy(min_slices=2, repair_timeout_s=3.0), tiers=Tiers(keeper_every=1, keepers=1))
-    return {"config": config, "init_fn": _init_state, "loop": _loop}
+    return {"config": config, "init_fn": init_state, "loop": _loop}

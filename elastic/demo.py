@@ -57,6 +57,22 @@ def loss_fn(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> jax.Arr
     return jnp.mean((_forward(params, data["x"]) - data["y"]) ** 2)
 
 
+OPTIMIZER = optax.adam(1e-2)  # the demos' optimizer, for loops written by hand (the Trainer builds its own step)
+
+
+def init_state(key: jax.Array) -> dict[str, Any]:
+    """The demo model's parameters and their adam state."""
+    params = init_params(key)
+    return {"params": params, "opt": OPTIMIZER.init(params)}
+
+
+def train_step(state: dict[str, Any], data: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+    """One adam step on ``data``; the new state and the loss."""
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], data)
+    updates, opt = OPTIMIZER.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+
 _TEACHER = (np.random.default_rng(1234).normal(size=(IN, 1)) / np.sqrt(IN)).astype(np.float32)
 
 

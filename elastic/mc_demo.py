@@ -17,18 +17,16 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from elastic.config import Policy
-from elastic.demo import batch, init_params, loss_fn, max_abs_diff
+from elastic.demo import batch, init_state, max_abs_diff, train_step
 from elastic.mc_driver import McConfig, McDriver
 from elastic.mc_run import McRun
 
 __all__ = ["McDemoSpec", "ProcessFaults", "init_state", "loop", "reference_params", "run_mc_demo", "train_step"]
 
 BATCH = 48  # splits over 8 and 6 devices
-_optimizer = optax.adam(1e-2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,17 +39,6 @@ class McDemoSpec:
     revive_at: int | None = 27
     snapshot_every: int = 5
     seed: int = 0
-
-
-def init_state(key: jax.Array) -> dict[str, Any]:
-    params = init_params(key)
-    return {"params": params, "opt": _optimizer.init(params)}
-
-
-def train_step(state: dict[str, Any], data: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], data)
-    updates, opt = _optimizer.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
 def loop(run: McRun) -> Any:

@@ -161,11 +161,6 @@ class McDriver:
         self.timeline.add("worker_killed" if sig == signal.SIGKILL else "worker_signalled", slice=slice_index,
                           pid=self.pids[slice_index], signal=signal.Signals(sig).name)
 
-    @property
-    def killed_at(self) -> list[float]:
-        """Wall times of the faults recorded."""
-        return [t for t, _, _ in self.faults]
-
     def add_slice(self, slice_index: int, *, join_by: int | None = None) -> None:
         """Start a new worker process for ``slice_index``; it joins the group at the next step boundary once it
         is up (the group trains on meanwhile). With ``join_by``, the group also stops before about that step at
@@ -423,17 +418,13 @@ class McDriver:
         return bool(ready)
 
     def _progress(self, slices: Any) -> int:
-        """The next step of the group (members run in lockstep; the first to answer within 5 s tells: a
-        stopped or dead member does not hold the watch up)."""
-        refs = [self.workers[s].progress.remote() for s in slices]
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=5)
-            if not ready:
-                break
+        """The next step of the group (members run in lockstep): the first member to answer within 1 s, asked
+        one at a time, so a stopped or dead member delays a poll by 1 s at most and a large group is not asked
+        all at once every poll."""
+        for s in slices:
             try:
-                return int(ray.get(ready[0])["next_step"])
-            except Exception:  # noqa: BLE001 - a dead worker: the next answer
+                return int(ray.get(self.workers[s].progress.remote(), timeout=1.0)["next_step"])
+            except Exception:  # noqa: BLE001 - a dead, stopped or busy worker: ask the next
                 continue
         return 0
 
@@ -463,7 +454,7 @@ class McDriver:
                 members: tuple[int, ...]) -> dict[str, Any]:
         steps, _ = Ledger.expand(head["ledger"])
         report.slices_final = len(members)
-        report.failures_injected = len(self.killed_at)
+        report.failures_injected = len(self.faults)
         report.steps_committed = len(steps)
         report.steps_recomputed = executed - len(steps)
         report.duplicate_steps = len(steps) - len(set(steps))

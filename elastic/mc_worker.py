@@ -64,7 +64,7 @@ class SliceWorker:
         # With a node store, generations live in files on this node that outlive this process; a new process
         # for this slice on this node takes over what its predecessor left there.
         self._snaps = HostSnapshots(keep=2, store=NodeStore(store_root, slice_index) if store_root else None)
-        self.adopted = self._snaps.adopt()
+        self._snaps.adopt()
         self._lock = threading.Lock()
         self._epoch = -1
         self._aborted = threading.Event()  # set when the driver aborted the current pass
@@ -75,9 +75,6 @@ class SliceWorker:
         self._snapshots = 0
 
     # -- served while the loop runs -----------------------------------------------------------------
-    def pid(self) -> int:
-        return os.getpid()
-
     def where(self) -> tuple[int, str]:
         """This worker's process id and Ray node id."""
         return os.getpid(), ray.get_runtime_context().get_node_id()
@@ -96,9 +93,6 @@ class SliceWorker:
 
     def held(self) -> dict[int, dict[str, Any]]:
         return self._snaps.held()
-
-    def store_errors(self) -> int:
-        return self._snaps.store_errors
 
     def piece(self, step: int, leaf: int, region: Region) -> np.ndarray | None:
         return self._snaps.find(step, leaf, region)

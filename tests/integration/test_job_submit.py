@@ -224,23 +224,30 @@ def _json_lines(text: str) -> list[dict]:
     return found
 
 
-@pytest.mark.timeout(240)
-def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
+def _submit(head: RayHead, module: str, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`ray job submit` of ``python -m module *args`` with this repo as working_dir; fails the test unless it
+    finishes within SUBMIT_TIMEOUT_S with status 0. The completed process, and its stdout + stderr."""
     cmd = [
         str(RAY), "job", "submit",
-        "--address", ray_head.dashboard_url,
+        "--address", head.dashboard_url,
         "--working-dir", str(REPO_ROOT),
         "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-        "--", str(PYTHON), "-m", "elastic.examples.train", "--steps", "12", "--json",
+        "--", str(PYTHON), "-m", module, *args,
     ]
     try:
-        out = subprocess.run(cmd, env=ray_head.env, cwd=REPO_ROOT, capture_output=True, text=True,
+        out = subprocess.run(cmd, env=head.env, cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=SUBMIT_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"`ray job submit` did not finish within {SUBMIT_TIMEOUT_S}s; output so far:\n"
-                    f"{e.stdout}\n{e.stderr}\nhead log:\n{ray_head.log()}")
+                    f"{e.stdout}\n{e.stderr}\nhead log:\n{head.log()}")
     output = out.stdout + "\n" + out.stderr
-    assert out.returncode == 0, f"`ray job submit` exited {out.returncode}:\n{output}\nhead log:\n{ray_head.log()}"
+    assert out.returncode == 0, f"`ray job submit` exited {out.returncode}:\n{output}\nhead log:\n{head.log()}"
+    return out, output
+
+
+@pytest.mark.timeout(240)
+def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
+    out, output = _submit(ray_head, "elastic.examples.train", "--steps", "12", "--json")
 
     reports = [r for r in _json_lines(out.stdout) if "steps_committed" in r]
     assert reports, f"no JSON report with steps_committed in the job's output:\n{output}"
@@ -264,22 +271,8 @@ def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
 def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
     """The multi-controller demo as a job: its driver hosts the coordination services, its workers are actors of
     the job; one of three is SIGKILLed and the others re-form in place."""
-    cmd = [
-        str(RAY), "job", "submit",
-        "--address", ray_head.dashboard_url,
-        "--working-dir", str(REPO_ROOT),
-        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-        "--", str(PYTHON), "-m", "elastic.cli", "demo", "--scenario", "multi-process", "--slices", "3",
-        "--steps", "12", "--kill-at", "5", "--revive-at", "12", "--json",
-    ]
-    try:
-        out = subprocess.run(cmd, env=ray_head.env, cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=SUBMIT_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"`ray job submit` did not finish within {SUBMIT_TIMEOUT_S}s; output so far:\n"
-                    f"{e.stdout}\n{e.stderr}\nhead log:\n{ray_head.log()}")
-    output = out.stdout + "\n" + out.stderr
-    assert out.returncode == 0, f"`ray job submit` exited {out.returncode}:\n{output}\nhead log:\n{ray_head.log()}"
+    out, output = _submit(ray_head, "elastic.cli", "demo", "--scenario", "multi-process", "--slices", "3",
+                          "--steps", "12", "--kill-at", "5", "--revive-at", "12", "--json")
     reports = [r for r in _json_lines(out.stdout) if "worker_processes_restarted" in r]
     assert reports, f"no JSON report of a multi-process job in the job's output:\n{output}"
     report = reports[-1]
