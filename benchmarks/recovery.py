@@ -26,7 +26,7 @@ restore the same state from an Orbax checkpoint onto the survivors' mesh, compil
 
 ``--mode multi-process`` (or ``both``) measures the multi-controller case instead (or as well), printed under
 ``"multi_process"`` (benchmarks/recovery_mp.py, which also runs alone): 4 worker processes joined by
-``jax.distributed`` (``elastic.mc_driver.McDriver``, ``--mib`` default 64 there), one SIGKILLed at ``--kill-at``,
+``jax.distributed`` (``elastic.placements.mc_driver.McDriver``, ``--mib`` default 64 there), one SIGKILLed at ``--kill-at``,
 the 3 survivors re-forming in place from their host snapshots, against 3 fresh processes that import jax, join a
 new group, restore an Orbax checkpoint, compile and step. Ours includes detecting the loss and leaving the broken
 group (the baseline pays no detection), so ``ours_without_leaving`` is reported beside ``resume_seconds``.
@@ -182,7 +182,7 @@ def main() -> None:
         return
     started = False
     if args.mode == "both":  # one Ray for every job of the run
-        from elastic.cluster import connect
+        from elastic.control.cluster import connect
 
         started = connect()
     try:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/recovery_mp.py --json [--mib 64] [--kill-at 12] [--steps 16]
 
-Ours: ``elastic.mc_driver.McDriver`` runs 4 worker processes (Ray actors, 2 CPU devices each, joined by
+Ours: ``elastic.placements.mc_driver.McDriver`` runs 4 worker processes (Ray actors, 2 CPU devices each, joined by
 ``jax.distributed`` over gloo) on a state of ``--mib`` MiB (8 float32 leaves, each split over the 2 devices
 of a worker and replicated across workers), a host snapshot every 5 steps. When the group reaches step
 ``--kill-at``, slice 1's process is SIGKILLed (no replacement is started: ``replace_lost=False``); the 3
@@ -144,8 +144,8 @@ class FreshWorker:
 
 def run_ours(mib: int, kill_at: int, steps: int, node_store: bool = True) -> dict[str, Any]:
     from elastic.config import Policy
-    from elastic.mc_demo import ProcessFaults
-    from elastic.mc_driver import McConfig, McDriver
+    from elastic.demos.processes import ProcessFaults
+    from elastic.placements.mc_driver import McConfig, McDriver
 
     config = McConfig(num_steps=steps, num_slices=SLICES, devices_per_slice=DEVICES, snapshot_every=5,
                       policy=Policy(min_slices=2), replace_lost=False, node_store=node_store)
@@ -234,7 +234,7 @@ def run(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     """Ours and the baseline, in this process's Ray (an embedded one started, and shut down, if none)."""
     from ray import cloudpickle
 
-    from elastic.cluster import connect
+    from elastic.control.cluster import connect
 
     if __name__ != "__main__":  # Ray workers may not find this file's module: send its functions by value
         cloudpickle.register_pickle_by_value(sys.modules[__name__])

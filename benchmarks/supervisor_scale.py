@@ -4,7 +4,7 @@
         [--interval 0.5] [--timeout 3] [--window 10] [--seed 0] [--per-slice]
 
 One supervisor (``Policy(min_slices=1)``) watches ``--slices`` slices held by ``--agents`` multiplexing
-agents (:class:`elastic.agent.SliceGroupAgent`: one registration and one heartbeat call per interval
+agents (:class:`elastic.supervision.agent.SliceGroupAgent`: one registration and one heartbeat call per interval
 for all of its slices). At seeded random times within ``--window`` seconds, ``--failures`` slices stop
 heartbeating while their agent lives on (a hung host: only the heartbeat timeout can find it).
 
@@ -16,7 +16,7 @@ heartbeating while their agent lives on (a hung host: only the heartbeat timeout
   supervisor reads late heartbeats as silence).
 
 ``--per-slice`` sends the per-slice protocol instead (one ``register`` and one ``heartbeat`` call per
-slice and interval, what as many :class:`elastic.agent.SliceAgent` actors would send), for comparison.
+slice and interval, what as many :class:`elastic.supervision.agent.SliceAgent` actors would send), for comparison.
 """
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
 
-from elastic import events  # noqa: E402
-from elastic.agent import SliceGroupAgent  # noqa: E402
-from elastic.cluster import connect  # noqa: E402
+from elastic.supervision import events  # noqa: E402
+from elastic.supervision.agent import SliceGroupAgent  # noqa: E402
+from elastic.control.cluster import connect  # noqa: E402
 from elastic.config import Policy  # noqa: E402
 from elastic.log import configure_logging  # noqa: E402
-from elastic.supervisor import SUPERVISOR_NAME, Supervisor  # noqa: E402
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

@@ -17,9 +17,10 @@ __all__ = (
 
 _WHERE = {
     "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
-    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Tiers": "config", "ElasticJob": "job",
-    "JobResult": "job", "Faults": "faults", "Run": "run", "Report": "report", "Trainer": "trainer",
-    "OptaxStep": "trainer", "optax_step": "trainer", "View": "membership", "decide": "policy",
+    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Tiers": "config", "ElasticJob": "api.job",
+    "JobResult": "api.job", "Faults": "chaos.faults", "Run": "api.run", "Report": "control.report",
+    "Trainer": "api.trainer", "OptaxStep": "api.trainer", "optax_step": "api.trainer", "View": "supervision.membership",
+    "decide": "supervision.policy",
 }
 
 

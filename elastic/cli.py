@@ -1,6 +1,6 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
 ``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``, ``inject``
-(:mod:`elastic.ops_cli`) and ``cleanup``."""
+(:mod:`elastic.ops.commands`) and ``cleanup``."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from elastic import ops_cli
+from elastic.ops import commands as ops_cli
 from elastic.quiet import set_verbose
 
 __all__ = ["main"]
@@ -46,15 +46,15 @@ def _demo(args: argparse.Namespace) -> int:
     if args.scenario == "multi-process" and not args.verbose:  # each group's coordination service warns that
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
     _force_cpu_devices(args.slices * args.devices_per_slice)
-    from elastic.cluster import connect
-    from elastic.demo import DemoSpec, run_demo
+    from elastic.control.cluster import connect
+    from elastic.demos.demo import DemoSpec, run_demo
     from elastic.log import configure_logging
-    from elastic.progress import print_timeline
+    from elastic.ops.progress import print_timeline
 
     configure_logging(logging.INFO if args.verbose else logging.ERROR)
     if args.verbose:
         set_verbose(True)
-    from elastic.ops import records_dir
+    from elastic.ops.runs import records_dir
 
     os.environ.setdefault("ELASTIC_RECORD_DIR", str(records_dir()))  # so that `elastic report` finds the run
     spec = DemoSpec(steps=args.steps, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
@@ -62,14 +62,14 @@ def _demo(args: argparse.Namespace) -> int:
                     snapshot_every=args.snapshot_every)
     connect()
     if args.scenario == "multi-process":
-        from elastic.mc_demo import McDemoSpec, run_mc_demo
+        from elastic.demos.processes import McDemoSpec, run_mc_demo
 
         out = run_mc_demo(McDemoSpec(steps=spec.steps, num_slices=spec.num_slices,
                                      devices_per_slice=spec.devices_per_slice, kill_slice=spec.kill_slice,
                                      kill_at=spec.kill_at, revive_at=spec.revive_at,
                                      snapshot_every=spec.snapshot_every), verify=args.verify)
     elif args.scenario == "client-crash":
-        from elastic.crash_demo import run_client_crash
+        from elastic.demos.crash import run_client_crash
 
         out = run_client_crash(spec, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
     else:
@@ -86,8 +86,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from elastic.chaos_report import ScheduleResult
-    from elastic.chaos_runner import ChaosRunner
+    from elastic.chaos.report import ScheduleResult
+    from elastic.chaos.runner import ChaosRunner
     from elastic.log import configure_logging
 
     configure_logging(logging.INFO if args.verbose else logging.ERROR)
@@ -113,7 +113,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
-    from elastic.cluster import cleanup, connect
+    from elastic.control.cluster import cleanup, connect
 
     connect()
     killed = cleanup(args.job_name, purge_events=args.purge_events)
@@ -123,7 +123,7 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from elastic.errors import ConfigError
-    from elastic.planner import PlanInputs, plan
+    from elastic.ops.planner import PlanInputs, plan
 
     if (args.chips is None) == (args.slices is None and args.chips_per_slice is None):
         raise ConfigError("give --chips N, or --slices N with --chips-per-slice K (not both)")

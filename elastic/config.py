@@ -8,61 +8,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.errors import ConfigError
+from elastic.supervision.policy import Policy
+from elastic.validate import count as _count, instance as _instance, positive as _positive
 
 __all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Tiers", "check_batch_splits"]
 
 FIRST_STEP_FACTOR = 3  # the first step of each pass (a new mesh) waits this many step_timeout_s
-
-
-def _count(name: str, value: object, minimum: int = 1, *, maximum: int | None = None, what: str = "") -> None:
-    """``ConfigError`` unless ``value`` is an ``int`` (not a bool or a float) in ``minimum..maximum - 1``;
-    ``what`` words the range in the message."""
-    what = what or f"an integer of at least {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int ({what}), got {value!r} of type {type(value).__name__}")
-    if value < minimum or (maximum is not None and value >= maximum):
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
-
-
-def _positive(name: str, value: object) -> None:
-    """``ConfigError`` unless ``value`` is a finite, positive number of seconds (an int or a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds, got {value!r} of type {type(value).__name__}")
-    if not 0 < value < math.inf:  # also false for nan
-        raise ConfigError(f"{name} must be positive and finite (seconds), got {value!r}")
-
-
-def _instance(name: str, value: object, kind: type) -> None:
-    """``ConfigError`` unless ``value`` is a ``kind``."""
-    if not isinstance(value, kind):
-        raise ConfigError(f"{name} must be a {kind.__name__}, got {value!r} of type {type(value).__name__}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Policy:
-    """How the supervisor answers changes in slice health.
-
-    ``min_slices``: shrink while at least this many slices are healthy; below it, wait up to
-    ``repair_timeout_s`` for repairs, then give up. ``max_slice_failures``: a slice that failed this
-    many times is not taken back (0: no limit). ``respawn_every_s``: start a replacement agent for a slice
-    whose agent died (its node alive, the slice not quarantined and not seen failing by the client) at most
-    once per this many seconds per slice; None (the default): a dead agent's slice stays out until revived.
-    """
-
-    min_slices: int = 1
-    repair_timeout_s: float = 60.0
-    max_slice_failures: int = 0
-    respawn_every_s: float | None = None
-
-    def __post_init__(self) -> None:
-        _count("min_slices", self.min_slices)
-        _positive("repair_timeout_s", self.repair_timeout_s)
-        _count("max_slice_failures", self.max_slice_failures, 0, what="0 (no limit) or more")
-        if self.respawn_every_s is not None:
-            try:
-                _positive("respawn_every_s", self.respawn_every_s)
-            except ConfigError as err:
-                raise ConfigError(f"{err}; or None to turn respawning off") from err
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ def ray_local():
     """A Ray driver connection: the embedded local cluster, started once and shared."""
     import ray
 
-    from elastic.cluster import connect
+    from elastic.control.cluster import connect
 
     connect()
     yield ray

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import elastic  # noqa: E402
 from elastic.examples.flax_nnx import BATCH, CLASSES, batch, max_abs_state_diff  # noqa: E402
 from elastic.examples.reference import Placements, run_reference  # noqa: E402
-from elastic.flax_linen import LinenAdapter, TrainState  # noqa: E402
+from elastic.api.flax_linen import LinenAdapter, TrainState  # noqa: E402
 
 __all__ = ["CNN", "loss_fn", "make_adapter", "make_loop", "plain_train_step", "run_example", "main"]
 

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import elastic  # noqa: E402
 from elastic.examples.reference import Placements, run_reference  # noqa: E402
-from elastic.flax_nnx import NnxAdapter  # noqa: E402
+from elastic.api.flax_nnx import NnxAdapter  # noqa: E402
 
 __all__ = ["CNN", "batch", "train_step", "make_adapter", "make_loop", "make_reference_step", "max_abs_state_diff",
            "run_example", "main"]

@@ -16,8 +16,8 @@ import jax
 from jax.sharding import Mesh
 
 import runtime
-from elastic.job import ElasticJob
-from elastic.run import Run
+from elastic.api.job import ElasticJob
+from elastic.api.run import Run
 
 __all__ = ["Placements", "run_reference"]
 

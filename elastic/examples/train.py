@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from elastic import ElasticConfig, Faults, Policy, Trainer, optax_step
-    from elastic.cluster import connect
-    from elastic.demo import batch, init_params, loss_fn
+    from elastic.control.cluster import connect
+    from elastic.demos.demo import batch, init_params, loss_fn
 
     # `ray job stop` sends SIGTERM: unwind normally so the job's detached actors are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Trainer, optax_step
-from elastic.demo import batch, init_params, loss_fn
+from elastic.demos.demo import batch, init_params, loss_fn
 
 
 def config(job_name: str, **overrides) -> ElasticConfig:
@@ -67,7 +67,7 @@ def gated_mc_loop(gate: str, at_step: int):
     import os
     import time
 
-    from elastic.mc_demo import BATCH, train_step
+    from elastic.demos.processes import BATCH, train_step
 
     def gated(run):
         state = run.state

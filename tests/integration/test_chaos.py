@@ -50,7 +50,7 @@ def assert_survived(out: dict, schedules: int) -> None:
 def test_chaos_cli_on_the_demo():
     out = chaos("--seed", "8", "--schedules", "2", "--steps", "30")
     assert_survived(out, 2)
-    assert out["target"] == "elastic.chaos_demo:demo_target" and out["config_overrides"] == {"num_steps": 30}
+    assert out["target"] == "elastic.demos.chaos:demo_target" and out["config_overrides"] == {"num_steps": 30}
     # seed 8 draws a kill as a snapshot is copied, then a corrupt snapshot copy read by a restore
     assert [r["scenario"] for r in out["runs"]] == ["kill", "corrupt"]
     assert [r["faults"][0]["phase"] for r in out["runs"]] == ["snapshot", "step"]
@@ -114,7 +114,7 @@ def chaos_loaded(ray_local):
     in-process run imports first, and a second `ray` module would not be connected."""
     import importlib
 
-    importlib.import_module("elastic.chaos_runner")
+    importlib.import_module("elastic.chaos.runner")
 
 
 @pytest.mark.timeout(300)

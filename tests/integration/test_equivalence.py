@@ -21,7 +21,7 @@ def reference(ray_local_module):
 
 @pytest.fixture(scope="module")
 def ray_local_module():
-    from elastic.cluster import connect
+    from elastic.control.cluster import connect
 
     connect()
 

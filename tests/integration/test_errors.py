@@ -76,7 +76,7 @@ def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
         return {"x": np.zeros((rows, 16), np.float32), "y": np.zeros((rows - (step == 17), 1), np.float32)}
 
     from elastic import optax_step
-    from elastic.demo import init_params, loss_fn
+    from elastic.demos.demo import init_params, loss_fn
     import optax
 
     trainer = Trainer(init_fn=init_params, step_fn=optax_step(loss_fn, optax.sgd(0.1)), batch_fn=batch_fn,

@@ -9,10 +9,10 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from elastic import events
-from elastic.agent import SliceAgent
+from elastic.supervision import events
+from elastic.supervision.agent import SliceAgent
 from elastic.config import Policy
-from elastic.supervisor import SUPERVISOR_NAME, Supervisor
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 pytestmark = pytest.mark.integration
 

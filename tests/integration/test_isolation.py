@@ -9,8 +9,10 @@ import uuid
 import pytest
 import ray
 
-from elastic import SupervisorError, events
-from elastic.cluster import ActorGroup, read_token, token_path
+from elastic import SupervisorError
+
+from elastic.supervision import events
+from elastic.control.cluster import ActorGroup, read_token, token_path
 
 from .helpers import config
 

@@ -139,8 +139,8 @@ def test_a_failed_rendezvous_raises_and_the_process_lives_on() -> None:
 def _run(spec, *, revive_at, gate=None):  # noqa: ANN001, ANN202
     """With ``gate`` (a file path), the group waits before ``kill_at`` until the kill: it lands exactly there."""
     from elastic.config import Policy
-    from elastic.mc_demo import ProcessFaults, init_state, loop
-    from elastic.mc_driver import McConfig, McDriver
+    from elastic.demos.processes import ProcessFaults, init_state, loop
+    from elastic.placements.mc_driver import McConfig, McDriver
 
     from .helpers import FaultGate, gated_mc_loop
 
@@ -155,8 +155,8 @@ def _run(spec, *, revive_at, gate=None):  # noqa: ANN001, ANN202
 
 
 def _check_promises(report, params, spec) -> None:  # noqa: ANN001
-    from elastic.demo import max_abs_diff
-    from elastic.mc_demo import reference_params
+    from elastic.demos.demo import max_abs_diff
+    from elastic.demos.processes import reference_params
 
     assert report["failures_injected"] == 1 and report["recoveries"] >= 1
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0
@@ -175,7 +175,7 @@ def test_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_loca
     re-form in their own processes, and a new process for the slice joins at a boundary by ``revive_at``."""
     import random
 
-    from elastic.mc_demo import McDemoSpec
+    from elastic.demos.processes import McDemoSpec
 
     seed = int(os.environ.get("ELASTIC_TEST_SEED", random.SystemRandom().randrange(2**31)))
     rng = random.Random(seed)

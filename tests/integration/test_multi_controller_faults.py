@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from elastic.config import Policy
-from elastic.demo import max_abs_diff
-from elastic.mc_demo import McDemoSpec, ProcessFaults, init_state, loop, reference_params
-from elastic.mc_driver import McConfig, McDriver
+from elastic.demos.demo import max_abs_diff
+from elastic.demos.processes import McDemoSpec, ProcessFaults, init_state, loop, reference_params
+from elastic.placements.mc_driver import McConfig, McDriver
 
 from .helpers import JoinGate, gated_mc_loop
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ def _sharded_step(state, x):  # noqa: ANN001, ANN202
 
 
 def _sharded_loop(run):  # noqa: ANN001, ANN202
-    from elastic.demo import batch
+    from elastic.demos.demo import batch
 
     state, step_fn = run.state, run.jit(_sharded_step)
     for step in run.steps:
@@ -157,7 +157,7 @@ def _sharded_loop(run):  # noqa: ANN001, ANN202
 def _sharded_reference(steps: int) -> np.ndarray:
     import jax
 
-    from elastic.demo import batch
+    from elastic.demos.demo import batch
 
     state = _sharded_init(jax.random.key(0))
     for step in range(steps):

@@ -7,8 +7,8 @@ import pytest
 import ray
 
 from elastic import Faults, GiveUpError, Policy
-from elastic.membership import View
-from elastic.watcher import ViewWatcher
+from elastic.supervision.membership import View
+from elastic.control.watcher import ViewWatcher
 
 from .helpers import ledger_job
 

@@ -9,8 +9,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from elastic import ConfigError, ElasticJob, Faults
-from elastic.demo import batch, init_params, loss_fn
-from elastic.orbax_io import checkpoint_step
+from elastic.demos.demo import batch, init_params, loss_fn
+from elastic.api.orbax_io import checkpoint_step
 
 from .helpers import config, max_abs_diff
 

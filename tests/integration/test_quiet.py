@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from tests.integration.helpers import trainer
 
     jax.devices()  # JAX's backends run threads before Ray starts its processes (the usual order in a script)
-    from elastic.cluster import connect
+    from elastic.control.cluster import connect
     connect()  # this script's own Ray, kept up after the job for the actor below
     result = trainer("quiet-run").fit()
     print("RESULT", result.report.steps_committed)

@@ -1,6 +1,6 @@
 """A SIGKILLed client that started an embedded Ray leaves none of that cluster's processes behind.
 
-Without ``elastic.reaper`` Ray's gcs_server and raylet die with the client (Ray makes them share its fate)
+Without ``elastic.control.reaper`` Ray's gcs_server and raylet die with the client (Ray makes them share its fate)
 but the raylet's children (the dashboard and runtime-env agents, idle workers) and the dashboard keep
 running; the reaper that ``connect()`` starts must end them all, then itself.
 """
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLIENT = r"""
 import json, sys, time
 import psutil, ray
-from elastic.cluster import connect
+from elastic.control.cluster import connect
 
 assert connect(), "expected connect() to start an embedded cluster"
 session_dir = ray._private.worker._global_node.get_session_dir_path()
@@ -37,7 +37,7 @@ while True:  # wait (bounded) for the raylet's agents, the processes the issue i
     time.sleep(0.2)
 print(json.dumps({"session_dir": session_dir, "pids": [[p.pid, p.create_time()] for p in procs]}), flush=True)
 if sys.argv[1:] == ["shutdown"]:
-    from elastic.cluster import _REAPERS
+    from elastic.control.cluster import _REAPERS
     ray.shutdown()
     print(json.dumps({"reaper": _REAPERS[0]}), flush=True)
 time.sleep(600)  # until SIGKILLed
@@ -71,7 +71,7 @@ def _start_client(*args: str) -> subprocess.Popen[str]:
 
 def _clean_up(info: dict) -> None:
     """End what a failed test left (so that it does not burden the next one)."""
-    from elastic.reaper import reap
+    from elastic.control.reaper import reap
     known = {}
     for pid, started in info.get("pids", []):
         try:

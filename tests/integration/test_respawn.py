@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import ray
 
-from elastic.cluster import ActorGroup
+from elastic.control.cluster import ActorGroup
 from elastic.config import Policy
-from elastic.membership import View
+from elastic.supervision.membership import View
 
 from .helpers import config
 

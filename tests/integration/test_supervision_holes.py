@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import ray
 
-from elastic import Faults, SupervisorError, events
-from elastic.agent import SliceAgent
-from elastic.cluster import ActorGroup
+from elastic import Faults, SupervisorError
+
+from elastic.supervision import events
+from elastic.supervision.agent import SliceAgent
+from elastic.control.cluster import ActorGroup
 from elastic.config import Policy
-from elastic.membership import View
-from elastic.supervisor import SUPERVISOR_NAME, Supervisor
-from elastic.watcher import ViewWatcher
+from elastic.supervision.membership import View
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
+from elastic.control.watcher import ViewWatcher
 
 from .helpers import config, ledger_job
 

@@ -66,7 +66,7 @@ def test_host_loss_on_a_real_ray_node():
 
 
 def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):
-    from elastic.cluster import ActorGroup, cleanup
+    from elastic.control.cluster import ActorGroup, cleanup
 
     from .helpers import config
 

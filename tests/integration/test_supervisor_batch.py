@@ -9,10 +9,10 @@ import uuid
 import pytest
 import ray
 
-from elastic import events
-from elastic.agent import SliceGroupAgent
+from elastic.supervision import events
+from elastic.supervision.agent import SliceGroupAgent
 from elastic.config import Policy
-from elastic.supervisor import SUPERVISOR_NAME, Supervisor
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 pytestmark = pytest.mark.integration
 

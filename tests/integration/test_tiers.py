@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from elastic import ElasticError, Faults, Policy, Tiers
-from elastic.cluster import cleanup
+from elastic.control.cluster import cleanup
 
 from .helpers import ledger_job
 

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from elastic import Faults, Trainer
-from elastic.trainer import StepRunner
+from elastic.api.trainer import StepRunner
 
 from ..unit.test_trainer_aux import batch, bn_step, diff, init_params, place, step_key
 from .helpers import config

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.chaos import CATALOGUE, JobShape, schedule, schedules
-from elastic.chaos_report import ChaosResult, ScheduleResult
+from elastic.chaos.catalogue import CATALOGUE, JobShape, schedule, schedules
+from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.config import ElasticConfig, Policy, Tiers
 from elastic.errors import ConfigError
-from elastic.invariants import RunRecord, check
+from elastic.chaos.invariants import RunRecord, check
 
 DEMO = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True)
 

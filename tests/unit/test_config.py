@@ -9,7 +9,7 @@ import pytest
 
 from elastic.config import ElasticConfig, Policy, Tiers, check_batch_splits
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError, SupervisorError
-from elastic.run import batch_rows
+from elastic.api.run import batch_rows
 from runtime.guard import StepHungError
 from runtime.reshard import StructureError
 from runtime.topology import TopologyError

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import elastic.job
+import elastic.api.job
 from elastic import ConfigError, ElasticConfig, ElasticJob, Policy, Run, Trainer, View, optax_step
 from runtime import simulated_topology
 from runtime.mesh import build_mesh
@@ -29,7 +29,7 @@ def _init(key):
 @pytest.fixture
 def build(monkeypatch):
     """``build(config, **kwargs)``: an ElasticJob, closed after the test; JAX's cache settings left alone."""
-    monkeypatch.setattr(elastic.job, "_use_compilation_cache", lambda job_name: None)
+    monkeypatch.setattr(elastic.api.job, "_use_compilation_cache", lambda job_name: None)
     jobs: list[ElasticJob] = []
 
     def make(config: ElasticConfig | None = None, **kwargs) -> ElasticJob:
@@ -103,7 +103,7 @@ def test_global_batch_that_splits_everywhere_or_is_microbatched(build):
 
 
 def test_trainer_checks_the_global_batch_unless_it_microbatches(monkeypatch):
-    monkeypatch.setattr(elastic.job, "_use_compilation_cache", lambda job_name: None)
+    monkeypatch.setattr(elastic.api.job, "_use_compilation_cache", lambda job_name: None)
     params = lambda key: {"w": jnp.zeros((4,))}  # noqa: E731
     batch_fn = lambda step: np.zeros((40, 4), np.float32)  # noqa: E731
     cfg = _config(global_batch_size=40)
@@ -116,7 +116,7 @@ def test_trainer_checks_the_global_batch_unless_it_microbatches(monkeypatch):
 def test_trainer_learns_the_batch_size_from_the_first_batch(monkeypatch):
     """No declared global_batch_size: batch_fn(0) tells the size, and a batch a shrink would strand (32 rows on 8
     devices, 6 after a slice is lost: the NNX tutorial's batch) is refused at construction, not after 20 steps."""
-    monkeypatch.setattr(elastic.job, "_use_compilation_cache", lambda job_name: None)
+    monkeypatch.setattr(elastic.api.job, "_use_compilation_cache", lambda job_name: None)
     params = lambda key: {"w": jnp.zeros((4,))}  # noqa: E731
     asked: list[int] = []
 

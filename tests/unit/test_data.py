@@ -1,4 +1,4 @@
-"""Data positions in the snapshot (elastic.data, Run.data/batches): real Grain iterators, no cluster."""
+"""Data positions in the snapshot (elastic.api.data, Run.data/batches): real Grain iterators, no cluster."""
 from __future__ import annotations
 
 import copy
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from elastic import ElasticConfig, Policy, Run
-from elastic.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
+from elastic.api.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
 from elastic.errors import ConfigError, ElasticError
-from elastic.membership import View
+from elastic.supervision.membership import View
 from runtime import build_mesh, simulated_topology
 from snapshot.persistent import _decode, _encode
 

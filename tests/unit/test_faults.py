@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.faults import Fault, Faults
+from elastic.chaos.faults import Fault, Faults
 
 
 def test_fluent_api_returns_same_object():

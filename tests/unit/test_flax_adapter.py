@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic import ConfigError, ElasticConfig, Policy, Run, View
-from elastic.flax_linen import LinenAdapter
-from elastic.flax_nnx import NnxAdapter
+from elastic.api.flax_linen import LinenAdapter
+from elastic.api.flax_nnx import NnxAdapter
 from runtime import batch_sharding, build_mesh, simulated_topology
 
 P = PartitionSpec
@@ -190,7 +190,7 @@ def test_adapters_check_what_they_are_given():
 
 
 def test_missing_flax_is_a_config_error_naming_the_extra(monkeypatch):
-    for name in ("elastic.flax_nnx", "elastic.flax_linen"):
+    for name in ("elastic.api.flax_nnx", "elastic.api.flax_linen"):
         monkeypatch.delitem(sys.modules, name)
         monkeypatch.setitem(sys.modules, "flax", None)  # what `import flax` meets when it is not installed
         with pytest.raises(ConfigError, match=r"pip install 'jax-elastic\[flax\]'"):

@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from elastic.invariants import RunRecord, check
+from elastic.chaos.invariants import RunRecord, check
 
 N = 20
 

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from elastic.errors import ConfigError
-from elastic.mc_driver import McConfig
-from elastic.mc_run import Aborted, Boundary, McRun
-from elastic.mc_snapshots import Generation, HostSnapshots, common_step, region_of, take
+from elastic.placements.mc_driver import McConfig
+from elastic.placements.mc_run import Aborted, Boundary, McRun
+from elastic.placements.mc_snapshots import Generation, HostSnapshots, common_step, region_of, take
 
 
 def _gen(step: int, pieces: dict, regions: frozenset) -> Generation:

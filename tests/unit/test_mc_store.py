@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic.mc_snapshots import Generation, HostSnapshots, common_step
-from elastic.mc_store import NodeStore, remove_job
+from elastic.placements.mc_snapshots import Generation, HostSnapshots, common_step
+from elastic.placements.mc_store import NodeStore, remove_job
 
 HALVES = frozenset({((0, 4),), ((4, 8),)})
 

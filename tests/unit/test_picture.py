@@ -1,4 +1,4 @@
-"""``elastic.picture.render_timeline`` on synthetic event streams: a valid PNG of the intended size that shows
+"""``elastic.ops.picture.render_timeline`` on synthetic event streams: a valid PNG of the intended size that shows
 the failure markers and the recovery shading where the stream has them (and not where it has none)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from elastic.picture import FAILURE, KILL, RECOVERY, render_timeline
+from elastic.ops.picture import FAILURE, KILL, RECOVERY, render_timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
@@ -155,7 +155,7 @@ def test_leaves_pyplot_and_backend_alone(tmp_path: Path) -> None:
 import sys, matplotlib
 before = matplotlib.rcParams._get_backend_or_none()
 from tests.unit.test_picture import slice_loss_stream
-from elastic.picture import render_timeline
+from elastic.ops.picture import render_timeline
 render_timeline(slice_loss_stream(), {str(tmp_path / "sub.png")!r})
 assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"
 assert matplotlib.rcParams._get_backend_or_none() == before, (before, matplotlib.rcParams._get_backend_or_none())

@@ -9,7 +9,7 @@ import pytest
 
 from elastic.cli import main
 from elastic.errors import ConfigError
-from elastic.planner import (PlanInputs, daly_interval, expected_goodput, failure_gaps, first_order_goodput,
+from elastic.ops.planner import (PlanInputs, daly_interval, expected_goodput, failure_gaps, first_order_goodput,
                              optimal_interval, plan, simulated_goodput, young_interval)
 
 # (id, inputs): the task's fleet, a slow-step big-snapshot job, a small job, a failure-heavy one

@@ -1,4 +1,4 @@
-"""Table tests of the supervisor's pure decision function ``elastic.policy.decide``."""
+"""Table tests of the supervisor's pure decision function ``elastic.supervision.policy.decide``."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from elastic.config import Policy
-from elastic.membership import HealthEvent, View
-from elastic.policy import Decision, GiveUp, Grow, Shrink, Stay, Wait, decide, healthy_slices
+from elastic.supervision.membership import HealthEvent, View
+from elastic.supervision.policy import Decision, GiveUp, Grow, Shrink, Stay, Wait, decide, healthy_slices
 
 
 def ev(time: float, slice: int, healthy: bool) -> HealthEvent:

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from elastic.config import Policy
-from elastic.membership import HealthEvent, View
-from elastic.policy import HealthTally, Stay, Wait, decide, healthy_slices
+from elastic.supervision.membership import HealthEvent, View
+from elastic.supervision.policy import HealthTally, Stay, Wait, decide, healthy_slices
 
 
 def below_min_since(history: list[HealthEvent], policy: Policy) -> float | None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.membership import View
-from elastic.transitions import (Abort, AwaitView, Boundary, Failed, Finish, GiveUp, LoopReturned, Machine,
+from elastic.supervision.membership import View
+from elastic.control.transitions import (Abort, AwaitView, Boundary, Failed, Finish, GiveUp, LoopReturned, Machine,
                                  NoteFailure, Noted, Prepare, Probe, Probed, Ready, RunPass, Started, State,
                                  ViewSeen, transition)
 

@@ -143,8 +143,8 @@ class _Log:
 
 
 def test_a_loop_stalled_outside_commit_is_reported_once_with_its_stack():
-    from elastic.report import Timeline
-    from elastic.stall import StallReporter
+    from elastic.control.report import Timeline
+    from elastic.control.stall import StallReporter
 
     log, timeline = _Log(), Timeline()
     reporter = StallReporter(0.2, log=log, timeline=timeline)
@@ -165,8 +165,8 @@ def test_a_loop_stalled_outside_commit_is_reported_once_with_its_stack():
 
 
 def test_an_idle_loop_is_not_a_stall():
-    from elastic.report import Timeline
-    from elastic.stall import StallReporter
+    from elastic.control.report import Timeline
+    from elastic.control.stall import StallReporter
 
     log = _Log()
     reporter = StallReporter(0.1, log=log, timeline=Timeline())

@@ -1,0 +1,199 @@
+"""Flax NNX as an elastic job's state: ``init_fn``, ``shardings_fn`` and a functional step from NNX code.
+
+NNX updates modules in place; ``jax.jit`` (hence ``run.jit``) keeps only what a function *returns*, so
+an in-place ``train_step(model, optimizer, batch)`` under ``jax.jit`` silently trains nothing.
+:class:`NnxAdapter` turns the model and its optimizer into a pure pytree (an ``nnx.State`` holding the
+parameters, the optimizer state, every RNG stream and the BatchNorm statistics: all of it snapshotted and
+resharded) and the in-place step into ``step(state, *batch) -> (state, out)``::
+
+    adapter = NnxAdapter(model_fn=lambda rngs: CNN(rngs=rngs),
+                         optimizer_fn=lambda model: nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
+    job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn)
+    step_fn = run.jit(adapter.step(train_step))      # train_step: the tutorial's, @nnx.jit or not
+    state, loss = step_fn(state, x, y)
+    model = adapter.module(state)                    # the module back, e.g. for eval
+
+Needs flax (``pip install 'jax-elastic[flax]'``). ``run.jit`` calls :func:`check_functional` to refuse the
+trap (only once ``flax.nnx`` is imported).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from elastic.errors import ConfigError
+
+try:
+    from flax import nnx
+    from flax.core import spmd as flax_spmd
+    from flax.nnx.transforms import compilation as nnx_compilation
+except ImportError as err:  # flax is optional
+    raise ConfigError("elastic.api.flax_nnx needs flax: pip install 'jax-elastic[flax]' (flax>=0.12.8)") from err
+
+__all__ = ["AxisRules", "NnxAdapter", "check_functional", "check_rules", "mesh_spec"]
+
+AxisRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
+"""Annotation axis name -> mesh axis (or axes, or None: replicated), as flax's logical axis rules."""
+
+_FIX = ("use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit (it merges, runs and splits the "
+        "module inside the jit), or pass the @nnx.jit function to run.guard instead")
+
+
+def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
+    """``rules`` as a tuple of ``(name, mesh axis or axes or None)`` pairs; ``ConfigError`` otherwise."""
+    pairs = tuple(tuple(r) if isinstance(r, (tuple, list)) else r for r in rules)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ConfigError(f"axis_rules entry {pair!r}: give (annotation name, mesh axis or None) pairs, "
+                              "e.g. [('model', 'local')]")
+    return pairs
+
+
+def mesh_spec(spec: PartitionSpec, rules: AxisRules, mesh: Mesh, *, where: str) -> PartitionSpec:
+    """``spec`` with its names mapped through ``rules`` (names without a rule stay), trailing ``None`` dropped
+    (``P('x', None)`` and ``P('x')`` would compile twice); ``ConfigError`` for a name ``mesh`` lacks."""
+    table = dict(rules)
+    entries = [table.get(e, e) if isinstance(e, str) else e for e in spec]
+    for entry in entries:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(name, str) and name not in mesh.axis_names:
+                raise ConfigError(f"{where} is annotated with axis {name!r}, which the mesh {tuple(mesh.axis_names)} "
+                                  f"lacks: map it with axis_rules=[({name!r}, 'local'), ...] (or None to replicate)")
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class NnxAdapter:
+    """An ``nnx.Module`` and its ``nnx.Optimizer`` as a job's state.
+
+    ``model_fn(rngs: nnx.Rngs) -> nnx.Module`` builds the model (``rngs`` is seeded from the job's key:
+    streams stored in the model, e.g. by ``nnx.Dropout(rate, rngs=rngs)``, become part of the state);
+    ``optimizer_fn(model) -> nnx.Optimizer``. Both must build the same structure on every call.
+    ``axis_rules`` maps the names of ``nnx.with_partitioning`` annotations onto mesh axes.
+    """
+
+    model_fn: Callable[[nnx.Rngs], nnx.Module]
+    optimizer_fn: Callable[[nnx.Module], nnx.Optimizer]
+    axis_rules: AxisRules = ()
+
+    def __post_init__(self) -> None:
+        for name in ("model_fn", "optimizer_fn"):
+            if not callable(getattr(self, name)):
+                raise ConfigError(f"NnxAdapter({name}=...) must be a callable, got {getattr(self, name)!r}")
+        object.__setattr__(self, "axis_rules", check_rules(self.axis_rules))
+
+    def _build(self, key: jax.Array) -> tuple[nnx.Module, nnx.Optimizer]:
+        # Annotations are applied by the job when it places the state (jit out_shardings), not eagerly:
+        # eager sharding would need a mesh here, and the mesh changes with the healthy slices.
+        with nnx.use_eager_sharding(False):
+            model = self.model_fn(nnx.Rngs(key))
+            if not isinstance(model, nnx.Module):
+                raise ConfigError(f"model_fn(rngs) returned {type(model).__name__}: return an nnx.Module")
+            optimizer = self.optimizer_fn(model)
+        if not isinstance(optimizer, nnx.Pytree):
+            raise ConfigError(f"optimizer_fn(model) returned {type(optimizer).__name__}: return an nnx.Optimizer "
+                              "(e.g. nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))")
+        return model, optimizer
+
+    @functools.cached_property
+    def _abstract(self) -> tuple[nnx.GraphDef, nnx.State]:
+        return nnx.split(nnx.eval_shape(lambda: self._build(jax.random.key(0))))
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The static structure of ``(model, optimizer)``: what ``nnx.merge`` pairs with a state."""
+        return self._abstract[0]
+
+    def init_fn(self, key: jax.Array) -> nnx.State:
+        """The job's ``init_fn``: the ``nnx.State`` of ``(model, optimizer)`` built from ``key``."""
+        return nnx.split(self._build(key))[1]
+
+    def shardings_fn(self, mesh: Mesh) -> nnx.State:
+        """The job's ``shardings_fn``: one ``PartitionSpec`` per state leaf, from the variables' partitioning
+        annotations (``nnx.with_partitioning``, ``sharding_rules`` metadata, ``axis_rules``; the optimizer's
+        moments follow their parameters); replicated where there is none."""
+        with flax_spmd.logical_axis_rules(tuple(self.axis_rules)):
+            specs = nnx.get_partition_spec(self._abstract[1])
+        paths = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        fixed = [mesh_spec(spec, (), mesh, where=f"state leaf {jax.tree_util.keystr(path)}")  # rules applied above
+                 for path, spec in paths]
+        return jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)).unflatten(fixed)
+
+    def merge(self, state: nnx.State) -> tuple[nnx.Module, nnx.Optimizer]:
+        """``(model, optimizer)`` over ``state``'s arrays (new objects; updating them does not change ``state``)."""
+        return nnx.merge(self.graphdef, state)
+
+    def module(self, state: nnx.State) -> nnx.Module:
+        """The model over ``state``'s arrays, in the mode it was built in (call ``.eval()`` to evaluate)."""
+        return self.merge(state)[0]
+
+    def step(self, train_step: Callable[..., Any]) -> Callable[..., tuple[nnx.State, Any]]:
+        """``step(state, *args, **kwargs) -> (new_state, out)`` from an in-place
+        ``out = train_step(model, optimizer, *args, **kwargs)`` (plain or ``@nnx.jit``): merge, run, split.
+        Pure, so fit for ``run.jit``; ``out`` (e.g. the loss) must hold arrays, not modules."""
+        graphdef = self.graphdef
+
+        def functional(state: nnx.State, *args: Any, **kwargs: Any) -> tuple[nnx.State, Any]:
+            model, optimizer = nnx.merge(graphdef, state)
+            out = train_step(model, optimizer, *args, **kwargs)
+            new_graphdef, new_state = nnx.split((model, optimizer))
+            if new_graphdef != graphdef:
+                raise ConfigError(f"{_name(train_step)} changed the structure of the model or optimizer (added or "
+                                  "removed attributes, or switched train/eval mode): a step may only update values")
+            return new_state, out
+
+        # named after train_step, but no ``__wrapped__``: jax must see this signature, not the in-place one's
+        functional.__name__ = functional.__qualname__ = f"functional_{getattr(train_step, '__name__', 'step')}"
+        return functional
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _nnx_transform(fn: Any) -> Any | None:
+    """The NNX-transformed function (``nnx.jit``) ``fn`` is, or wraps (``functools.wraps``, ``jax.jit``)."""
+    seen = 0
+    while fn is not None and seen < 8:
+        if isinstance(fn, (nnx_compilation.JitWrapped, nnx_compilation.SimpleJitWrapped)):
+            return fn
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return None
+
+
+def _graph_nodes(args: Iterable[Any]) -> list[str]:
+    is_node = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731 - Module, Optimizer, Rngs, streams, metrics
+    found = []
+    for i, arg in enumerate(args):
+        for leaf in jax.tree_util.tree_leaves(arg, is_leaf=is_node):
+            if is_node(leaf):
+                found.append(f"argument {i}: {type(leaf).__name__}")
+    return found
+
+
+def check_functional(fn: Any, args: tuple[Any, ...] | None = None, kwargs: Mapping[str, Any] | None = None,
+                     *, where: str = "run.jit") -> bool:
+    """Refuse (``ConfigError``) NNX code that ``jax.jit`` would run with its in-place updates dropped: ``fn``
+    an ``nnx.jit`` function given to ``run.jit`` (``args is None``), or a ``jax.jit`` function called with NNX
+    graph nodes (``nn.Module``, ``nnx.Optimizer``, ``nnx.Rngs``...) in ``args``/``kwargs``. True when ``fn`` is
+    itself an NNX transform (it keeps its updates: nothing to check)."""
+    transform = _nnx_transform(fn)
+    if args is None:
+        if transform is not None:
+            raise ConfigError(f"{where} got {_name(fn)}, an nnx.jit function: jax.jit would drop its in-place "
+                              f"updates to the model and optimizer and silently train nothing; {_FIX}")
+        return False
+    if transform is not None:
+        return True
+    nodes = _graph_nodes([*args, *(kwargs or {}).values()])
+    if nodes:
+        raise ConfigError(f"{where}: {_name(fn)} was called with NNX graph nodes ({', '.join(nodes[:4])}): under "
+                          f"jax.jit their in-place updates are dropped and nothing trains; {_FIX}")
+    return False

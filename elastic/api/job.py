@@ -1,0 +1,314 @@
+"""The public face of a job: ``ElasticJob(config, init_fn=...)`` and ``job.run(loop)``.
+
+It checks the configuration and the state's shardings at construction (bad input fails at once),
+connects to Ray, launches the supervisor and agents, and hands the loop to the
+:class:`~elastic.control.controller.Controller`, whose state machine carries the job through failures in the
+same process.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import ray
+import structlog
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+import runtime
+from elastic.control.accounting import Accounting
+from elastic.control.cluster import ActorGroup, connect
+from elastic.config import ElasticConfig, check_batch_splits
+from elastic.control.controller import Controller, JobResult, StepCallback
+from elastic.errors import ConfigError, ElasticError
+from elastic.log import configure_logging, get_logger
+from elastic.supervision import events
+from elastic.api import orbax_io
+from elastic.supervision.events import EventStream
+from elastic.control.job_events import ClientEvents
+from elastic.supervision.membership import View
+from elastic.control.metrics import JobMetrics
+from elastic.control.report import Ledger, Report, Timeline
+from elastic.api.run import Run
+from elastic.control.tiers import TierSet
+from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
+from snapshot import SnapshotInfo
+
+__all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
+
+RECORD_DIR_ENV = "ELASTIC_RECORD_DIR"  # where jobs write their run record when record_dir is not given
+
+InitFn = Callable[[jax.Array], Any]
+
+
+class FaultPlan(Protocol):
+    """What a job needs of a fault plan (``elastic.Faults``): the job imports no fault machinery itself."""
+
+    def validate(self, *, num_slices: int, num_steps: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def injector(self, job: ElasticJob) -> Callable[[int], None]:
+        """The before-step hook that carries the plan out on ``job``."""
+        ...
+ShardingsFn = Callable[[Mesh], Any]
+
+def _use_compilation_cache(job_name: str) -> None:
+    """Turn on JAX's persistent compilation cache in a job-scoped directory (unless the application set
+    one), so that a client restarted on this machine recompiles nothing it compiled before. JAX reads the
+    setting once per process: the first job of a process names the directory."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def replicate_all(abstract_state: Any) -> Callable[[Mesh], Any]:
+    """Default shardings: every leaf replicated on every device (data parallel)."""
+    return lambda mesh: jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract_state)
+
+
+def _sharding(mesh: Mesh, path: Any, leaf: Any, spec: Any) -> Sharding:
+    """One state leaf's sharding on ``mesh``; ``ConfigError`` naming the leaf when ``spec`` does not fit."""
+    where = f"state leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
+    if isinstance(spec, Sharding):
+        return spec
+    if not isinstance(spec, PartitionSpec):
+        raise ConfigError(f"shardings_fn gave {spec!r} ({type(spec).__name__}) for {where}: give a "
+                          "jax.sharding.PartitionSpec or a Sharding per state leaf")
+    axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(a, str)]
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r}, but the mesh has axes "
+                              f"{tuple(mesh.axis_names)}; name only those (or give a mesh_fn with that axis)")
+        if axes.count(axis) > 1:
+            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r} more than once; split a leaf over each "
+                              "mesh axis at most once")
+    if len(spec) > len(leaf.shape):
+        raise ConfigError(f"{where}: {spec} has {len(spec)} entries for {len(leaf.shape)} dimension(s); give at "
+                          "most one entry per dimension")
+    try:
+        return NamedSharding(mesh, spec)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {spec} does not fit the mesh {dict(mesh.shape)}: {err}") from err
+
+
+class ElasticJob:
+    """One elastic training job. Use as a context manager, or call ``start``/``close``.
+
+    ``init_fn(key) -> state`` builds the initial state; ``shardings_fn(mesh)`` gives one
+    ``PartitionSpec`` or sharding per state leaf (default: replicated); ``mesh_fn`` lays out the mesh
+    over the healthy slices' devices. ``agent_nodes`` pins slice agents to Ray nodes. ``microbatched``:
+    the loop splits a batch that does not divide over the devices into micro-batches (as ``Trainer`` with
+    ``optax_step`` does), so ``config.global_batch_size`` need not divide every device count.
+    ``init_from``: an Orbax checkpoint whose state replaces ``init_fn``'s at step 0; ``save_final_to``: a new
+    directory the final state is written to with Orbax at the end (see :mod:`elastic.api.orbax_io`).
+    ``record_dir`` (default ``$ELASTIC_RECORD_DIR``): at close, the run's event stream and report are written
+    to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.supervision.events`).
+    """
+
+    def __init__(self, config: ElasticConfig, *, init_fn: InitFn, shardings_fn: ShardingsFn | None = None,
+                 mesh_fn: runtime.MeshFn | None = None, faults: FaultPlan | None = None,
+                 agent_nodes: dict[int, str] | None = None, on_step: StepCallback | None = None,
+                 ray_address: str | None = None, microbatched: bool = False,
+                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None,
+                 record_dir: str | os.PathLike | None = None) -> None:
+        if not isinstance(config, ElasticConfig):
+            raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
+        for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{name} must be a callable, got {fn!r}")
+        self.config = config
+        self._init_fn = init_fn
+        self._mesh_fn = mesh_fn
+        self._faults = faults
+        self._agent_nodes = agent_nodes
+        self._on_step = on_step
+        self._ray_address = ray_address
+        # Fault-injection seam (elastic.chaos.catalogue): callables (phase, step, view) run inside each restore ("restore")
+        # and live move ("reshard", "grow"), once its transfers are dispatched and before they are waited on.
+        self.during_prepare: list[Callable[[str, int, View], None]] = []
+        if not structlog.is_configured():  # events go to stderr unless the application set structlog up
+            configure_logging()
+        self._log = get_logger("elastic.api.job", job=config.job_name)
+        if faults is not None:
+            faults.validate(num_slices=config.num_slices, num_steps=config.num_steps)
+        if config.global_batch_size is not None and not microbatched:  # a shrink must not strand the batch
+            check_batch_splits(config.global_batch_size, config, what="global_batch_size: a batch")
+        _use_compilation_cache(config.job_name)
+        self.topology = self._topology()
+        self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
+        if not jax.tree_util.tree_leaves(self._abstract):
+            raise ConfigError(f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
+                              "the state to train, a pytree of arrays (e.g. a dict of parameters)")
+        self._init_from = None
+        if init_from is not None:  # read at the first fresh start; its tree is checked now
+            self._init_from, _ = orbax_io.resolve(init_from)
+            orbax_io.check_matches(self._init_from, self._abstract)
+        self._save_final_to = None if save_final_to is None else orbax_io.check_new_directory(save_final_to)
+        self._record_dir = record_dir or os.environ.get(RECORD_DIR_ENV) or None
+        self._client_events: ClientEvents | None = None
+        self._shardings_fn = shardings_fn or replicate_all(self._abstract)
+        for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
+            try:
+                mesh = runtime.build_mesh(self.topology.slices[:count], mesh_fn)
+            except ValueError as err:
+                raise ConfigError(f"mesh_fn over {count} slice(s): {err}") from err
+            self._check_splits(mesh)  # bad specs fail at once
+        self._tiers = TierSet(config, self.topology, self._abstract)
+        self._acct = Accounting(num_slices=config.num_slices, num_steps=config.num_steps)
+        self._group: ActorGroup | None = None
+        self._watcher: ViewWatcher | None = None
+        self._ray_started = False
+        self.controller: Controller | None = None  # the controller of the current (or last) run
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _topology(self) -> runtime.Topology:
+        cfg = self.config
+        try:
+            if cfg.simulated:
+                return runtime.simulated_topology(cfg.num_slices, cfg.devices_per_slice)
+            topo = runtime.topology_from_devices(devices_per_slice=cfg.devices_per_slice)
+        except runtime.TopologyError as err:
+            raise ConfigError(str(err)) from err
+        if topo.num_slices != cfg.num_slices:
+            raise ConfigError(f"found {topo.num_slices} slices of {cfg.devices_per_slice} devices, "
+                              f"but num_slices={cfg.num_slices}")
+        return topo
+
+    def _shardings(self, mesh: Mesh) -> Any:
+        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` if the structure differs, or a
+        leaf's spec does not fit the mesh or the leaf)."""
+        specs = self._shardings_fn(mesh)
+        try:
+            runtime.check_structure(self._abstract, specs)
+        except runtime.StructureError as err:
+            raise ConfigError(str(err)) from err
+        paths = jax.tree_util.tree_leaves_with_path(self._abstract)
+        leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, Sharding)))
+        shardings = [_sharding(mesh, path, leaf, spec) for (path, leaf), spec in zip(paths, leaves, strict=True)]
+        return jax.tree_util.tree_structure(self._abstract).unflatten(shardings)
+
+    def _check_splits(self, mesh: Mesh) -> None:
+        """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
+        shardings = self._shardings(mesh)
+        targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+        for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(self._abstract), targets, strict=True):
+            try:
+                sharding.shard_shape(leaf.shape)
+            except (ValueError, IndexError) as err:
+                raise ConfigError(
+                    f"state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} does not split over the "
+                    f"mesh {dict(mesh.shape)}: {err}; pick sizes that divide every device count you may shrink to"
+                ) from err
+
+    def start(self) -> ElasticJob:
+        """Connect to Ray, launch the supervisor and agents, and wait for the first view."""
+        if self._group is not None:
+            return self
+        self._ray_started = connect(self._ray_address)
+        # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
+        JobMetrics(self.config.job_name, snapshot_stats=self._tiers.snapshot_stats).attach(self._acct)
+        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes)
+        try:
+            self._group.launch()
+            self._tiers.start()
+        except BaseException:
+            self.close()
+            raise
+        if self._client_events is None:  # this client's share of the job's event stream
+            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
+            self._client_events = ClientEvents(stream, lambda: self._tiers.last_completed).attach(self._acct)
+        self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
+                                    lost_after_s=supervisor_lost_after_s(self.config))
+        return self
+
+    def close(self) -> None:
+        """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
+        if started here. Only a client that dies without closing leaves its keepers for a successor."""
+        self._tiers.close()
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self._group is not None:
+            self._group.shutdown()
+            self._record()
+            self._group = None
+        if self.config.simulated:
+            for s in self.topology.slices:
+                runtime.simulated.revive_slice(s)
+        if self._ray_started:
+            ray.shutdown()
+            self._ray_started = False
+
+    def _record(self) -> None:
+        """With ``record_dir`` (or ``ELASTIC_RECORD_DIR``): write the run's event stream and report to
+        ``<record_dir>/<job>/<run>/``, for ``elastic report``/``events`` once the cluster is gone."""
+        if self._record_dir is None or self._group is None or self._group.run is None:
+            return
+        try:
+            records = events.read(self.config.job_name, self._group.run)
+            where = Path(self._record_dir) / self.config.job_name / self._group.run
+            events.dump(records, where, report=self.report.to_dict())
+        except Exception as err:  # noqa: BLE001 - a record is a convenience: the job's result stands
+            self._log.warning("record_failed", error=repr(err))
+
+    def __enter__(self) -> ElasticJob:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def latest_snapshot(self) -> SnapshotInfo:
+        """The newest complete in-memory snapshot, once any in flight has finished (``NoSnapshotError``
+        before the first)."""
+        return self._tiers.latest()
+
+    @property
+    def group(self) -> ActorGroup:
+        if self._group is None:
+            raise ElasticError("the job is not started: use `with ElasticJob(...) as job:` or job.start()")
+        return self._group
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, loop: Callable[[Run], Any]) -> JobResult:
+        """Run ``loop`` to the last step, re-entering it on each membership change."""
+        self.start()
+        assert self._watcher is not None
+        hooks = []
+        if self._faults is not None and len(self._faults):
+            hooks.append(self._faults.injector(self))
+        self.controller = controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
+                                shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
+                                watcher=self._watcher, group=self.group, accounting=self._acct,
+                                before_step=hooks, on_step=self._on_step, during_prepare=self.during_prepare,
+                                initial_state=self._initial_state)
+        result = controller.run(loop)
+        if self._save_final_to is not None:
+            orbax_io.save_final(self._save_final_to, result.state)
+            self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
+            self._log.info("saved_final", path=str(self._save_final_to))
+        return result
+
+    @property
+    def _initial_state(self) -> Callable[[Any], Any] | None:
+        """``init_from``'s reader: the checkpoint's state on the given shardings (None: ``init_fn``)."""
+        path = self._init_from
+        if path is None:
+            return None
+        return lambda shardings: orbax_io.restore_onto(path, self._abstract, shardings)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._acct.ledger
+
+    @property
+    def report(self) -> Report:
+        return self._acct.report
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._acct.timeline

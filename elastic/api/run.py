@@ -1,0 +1,235 @@
+"""What the user's loop receives: the current mesh, the state restored onto it, and the steps to run.
+
+The loop iterates ``run.steps`` (it resumes at the snapshot's step), computes each step and calls
+``run.commit(state)`` once per step. A commit waits for the step's result, so a lost slice surfaces
+there at the latest, and asks for the periodic snapshot. The wait is the step watchdog: a result not
+ready within ``config.step_timeout_s`` (a pass's first step: ``FIRST_STEP_FACTOR`` times that) raises
+``runtime.StepHungError``, and the job recovers as from a lost slice. Step boundaries belong to the
+iterator: when the membership view has changed, ``run.steps`` ends the pass before the next step starts
+(the code after ``commit`` always runs), and the job re-enters the loop on the new mesh.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from elastic.config import ElasticConfig, check_batch_splits
+from elastic.api.data import DataIterator, Source, open_data, record_positions
+from elastic.errors import ConfigError
+from elastic.supervision.membership import View
+from runtime import batch_sharding, guarded, hangs, wait_ready
+
+__all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveState:
+    """A healthy state at a step boundary, already snapshotted: it can move device to device."""
+
+    state: Any
+    next_step: int
+    extras: dict[str, Any]
+
+
+class Regroup(BaseException):
+    """Unwinds the user's loop at a step boundary after the view changed (a ``BaseException`` so that a
+    broad ``except Exception`` in the loop does not swallow it)."""
+
+    def __init__(self, view: View, live: LiveState | None) -> None:
+        super().__init__(f"membership changed to epoch {view.epoch}")
+        self.view = view
+        self.live = live
+
+
+class RunHost(Protocol):
+    """What a run needs from the controller, and all it may call."""
+
+    config: ElasticConfig
+    num_steps: int
+    seed: int
+
+    def before_step(self, step: int) -> None: ...
+
+    def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None: ...
+
+    def boundary(self, run: Run, next_step: int) -> Regroup | None: ...
+
+    def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh) -> None: ...
+
+
+class Run:
+    """One pass of the user's loop over one membership view. Built by the controller."""
+
+    def __init__(self, host: RunHost, *, view: View, mesh: Mesh, state: Any, start_step: int,
+                 extras: dict[str, Any]) -> None:
+        self._host = host
+        self.view = view
+        self.mesh = mesh
+        self.state = state
+        self.start_step = start_step
+        self.extras = extras
+        self._devices = tuple(mesh.devices.flat)
+        self._pending: int | None = None
+        self._steps_started = False
+        self._data: dict[str, DataIterator] = {}
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.view.active))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def num_steps(self) -> int:
+        return self._host.num_steps
+
+    @property
+    def steps(self) -> Iterator[int]:
+        """Step numbers from the snapshot's step to the last; each must be committed before the next."""
+        if self._steps_started:
+            raise ConfigError("run.steps may be iterated once per pass of the loop")
+        self._steps_started = True
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        for step in range(self.start_step, self.num_steps):
+            if step > self.start_step:  # the previous step's body has finished: a membership change ends the pass
+                regroup = self._host.boundary(self, step)
+                if regroup is not None:
+                    raise regroup
+            self._pending = step
+            self._host.before_step(step)
+            yield step
+            if self._pending is not None:
+                raise ConfigError(f"step {step} ended without run.commit(state): commit once per step")
+
+    def commit(self, state: Any, *, batch: int | None = None, **metrics: Any) -> None:
+        """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
+
+        Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile, and
+        ``runtime.StepHungError`` if the step made no progress within its timeout (``step_timeout_s``).
+        Returns once the snapshot (when one is due) is requested: it is copied in the background.
+        """
+        step = self._pending
+        if step is None:
+            raise ConfigError("run.commit() must be called once per step, inside `for step in run.steps`")
+        first = step == self.start_step  # the first step on this mesh gets FIRST_STEP_FACTOR x the time
+        timeout_s = self._host.config.step_wait_s(first=first)
+        if timeout_s is None and hangs.blocked():
+            raise ConfigError(f"step {step} hangs (Faults.hang_step) with the step watchdog off: set "
+                              "ElasticConfig.step_timeout_s to drill hangs")
+        wait_ready((state, metrics), self._devices, timeout_s=timeout_s,
+                   what=f"step {step}{' (the first of this pass)' if first else ''}", hint=self._hang_hint)
+        self._pending = None
+        self.state = state
+        record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
+        self._host.committed(self, step, state, step if batch is None else batch, metrics)
+
+    def data(self, source: Source, *, name: str = "data") -> DataIterator:
+        """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
+        building an iterator with ``get_state``/``set_state``) positioned where the committed steps left it:
+        at the restored snapshot's position, or the last commit's on a live reshard. Call it once per pass and
+        ``next()`` it inside each step, before ``commit`` (see :mod:`elastic.api.data`)."""
+        if name in self._data:
+            raise ConfigError(f"run.data(name={name!r}) was already opened in this pass: give each pipeline its name")
+        self._data[name] = open_data(source, name=name, extras=self.extras, start_step=self.start_step,
+                                     current_step=lambda: self._pending)
+        return self._data[name]
+
+    def batches(self, source: Source, *, name: str = "data") -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` for each of ``run.steps``, one batch per step from ``run.data(source, name=name)``;
+        commit each step as usual."""
+        data = self.data(source, name=name)
+        return ((step, next(data)) for step in self.steps)
+
+    @property
+    def _hang_hint(self) -> str:
+        return (f"step_timeout_s={self._host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
+                "can legitimately take longer")
+
+    def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+        """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call
+        is recorded so that it is compiled ahead for the meshes the job may move to. Refuses (``ConfigError``)
+        in-place NNX code, whose updates ``jax.jit`` would silently drop: an ``nnx.jit`` function, or a call
+        with NNX modules among the arguments (use ``elastic.api.flax_nnx.NnxAdapter.step``)."""
+        _check_functional(fn, None, None, where="run.jit")
+        return self.guard(jax.jit(fn, **jit_kwargs))
+
+    def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (already compiled or plain) dispatched through the runtime's guard; a ``jax.jit``
+        function's first call is recorded for standby compilation (and refused, ``ConfigError``, when given
+        NNX modules, whose in-place updates ``jax.jit`` drops; an ``nnx.jit`` function keeps them)."""
+        call = guarded(fn, self._devices)
+        if not hasattr(fn, "lower"):
+            return call
+        recorded = False
+
+        @functools.wraps(fn)
+        def first_call_recorded(*args: Any, **kwargs: Any) -> Any:
+            nonlocal recorded
+            nnx_transform = not recorded and _check_functional(fn, args, kwargs, where="run.jit/run.guard")
+            out = call(*args, **kwargs)
+            if not recorded:
+                recorded = True
+                if not kwargs and not nnx_transform:  # standby compiles jax.jit functions only
+                    self._host.record_call(fn, args, self.mesh)
+            return out
+
+        return first_call_recorded
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a global host batch on the mesh, its leading dimension split over every device.
+
+        The leading size must split over every device count the job may shrink to, not only this mesh's:
+        a batch that would not fails at the first step (``ConfigError`` naming the sizes), not after a shrink.
+        """
+        rows = batch_rows(batch, what="run.shard_batch got")
+        check_batch_splits(rows, self._host.config, what="a batch")
+        return self.guard(jax.device_put)(batch, batch_sharding(self.mesh))
+
+    def key(self, step: int) -> jax.Array:
+        """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
+        return jax.random.fold_in(jax.random.key(self._host.seed), step)
+
+
+def _check_functional(fn: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None, *, where: str) -> bool:
+    """``elastic.api.flax_nnx.check_functional`` once NNX is imported (flax is optional); else nothing to check."""
+    if "flax.nnx" not in sys.modules:
+        return False
+    from elastic.api.flax_nnx import check_functional
+
+    return check_functional(fn, args, kwargs, where=where)
+
+
+def batch_rows(batch: Any, *, what: str) -> int:
+    """The leading (batch) size shared by every leaf of ``batch``; ``ConfigError`` when there is none.
+    ``what`` starts the message (e.g. ``"batch_fn(3) returned"``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ConfigError(f"{what} no array leaves: a batch is a pytree of arrays whose leading dimension is the batch")
+    sizes: dict[int, str] = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ConfigError(f"{what} a leaf {jax.tree_util.keystr(path)} of shape () with no leading (batch) "
+                              "dimension: give every leaf the batch as its first dimension")
+        sizes.setdefault(shape[0], jax.tree_util.keystr(path))
+    if len(sizes) != 1:
+        named = ", ".join(f"{n} at {p or 'the root'}" for n, p in sorted(sizes.items()))
+        raise ConfigError(f"{what} leaves with different leading sizes {sorted(sizes)} ({named}): every leaf's "
+                          "leading dimension is the batch")
+    (rows,) = sizes
+    return rows

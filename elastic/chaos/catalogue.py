@@ -1,0 +1,334 @@
+"""The fault catalogue and seeded chaos schedules: ``schedule(seed, index, shape)`` is the same list of
+faults every time it is called with the same arguments, so any schedule replays from ``(seed, index)``.
+
+Each schedule draws one scenario from :data:`CATALOGUE` (a seeded round robin: any ``len(CATALOGUE)``
+consecutive indices cover every scenario that applies to the job) and places its faults at seeded
+steps and slices. A fault has a *phase*, the moment in the job it strikes:
+
+- ``step``: as the step starts, before its body (``elastic.Faults``: the controller's before-step hook);
+- ``mid_step``: the step's computation is dispatched, its commit has not waited for it yet;
+- ``snapshot``: right after a commit that asked for a snapshot, while the snapshot is copied;
+- ``after_restore`` / ``after_reshard`` / ``after_grow``: the first pass of the loop after a restore from a
+  snapshot, a move of the live state onto fewer slices, or onto more, before its first step;
+- ``restore`` / ``reshard`` / ``grow``: inside that restore or move itself, its transfers dispatched and not yet
+  landed (the controller's ``during_prepare`` seam).
+
+Besides slices, a fault may strike the supervisor: ``supervisor_restart`` kills its actor so that Ray restarts it
+(it rebuilds its view from its event log), ``supervisor_lost`` kills it for good (the job must end with
+``SupervisorLostError`` within its bound, not train on unsupervised).
+
+Faults at phase ``step`` of the kinds ``elastic.Faults`` knows go through ``elastic.Faults`` (see
+:meth:`Schedule.plan`); the rest are carried out by :mod:`elastic.chaos.runner`. A ``hang`` (a step whose
+computation never completes) needs the step watchdog: the runner caps ``step_timeout_s`` for a schedule
+that holds one (:data:`HANG_STEP_TIMEOUT_S`). Pure: no jax, no Ray.
+
+Scenarios added to the catalogue later (a higher ``since``) are drawn after the earlier ones in each round
+of the round robin, so a schedule ``(seed, index)`` with ``index`` below the earlier catalogue's size draws
+the scenario it drew before the extension.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from elastic.config import ElasticConfig
+from elastic.errors import ConfigError
+from elastic.chaos.faults import Faults
+
+__all__ = ["CATALOGUE", "HANG_STEP_TIMEOUT_S", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
+
+Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow", "restore", "reshard",
+                "grow"]
+Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart",
+               "supervisor_lost"]
+Expect = Literal["finish", "give_up", "supervisor_lost"]
+DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
+PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
+HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at most this (also when the target's is off)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosFault:
+    """One fault: ``kind`` strikes slice ``slice`` (if any) at ``phase`` of step ``at_step`` (for the
+    ``after_*`` phases: the first such pass once the loop has reached ``at_step``). ``seconds``: a
+    straggler's delay. A ``hang`` with a ``slice`` leaves that slice wedged (down until revived); without
+    one every slice stays healthy."""
+
+    kind: Kind
+    at_step: int
+    phase: Phase = "step"
+    slice: int | None = None
+    seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobShape:
+    """What a schedule needs to know of the job: its size, its floor and whether its snapshots survive two
+    slices lost at once (three in-memory copies, or every snapshot in the keepers)."""
+
+    num_slices: int
+    min_slices: int
+    num_steps: int
+    snapshot_every: int
+    survives_two: bool
+
+    @classmethod
+    def of(cls, config: ElasticConfig) -> JobShape:
+        tiers = config.tiers
+        return cls(num_slices=config.num_slices, min_slices=config.policy.min_slices, num_steps=config.num_steps,
+                   snapshot_every=config.snapshot_every,
+                   survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None)
+
+    @property
+    def spare(self) -> int:
+        """Slices the job may lose and still run."""
+        return self.num_slices - self.min_slices
+
+
+Build = Callable[[random.Random, JobShape], tuple[list[ChaosFault], Expect]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    summary: str
+    phases: tuple[Phase, ...]
+    build: Build
+    applies: Callable[[JobShape], bool] = lambda shape: shape.spare >= 1
+    since: int = 1  # the catalogue generation that added it (see the module's docstring)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    seed: int
+    index: int
+    scenario: str
+    faults: tuple[ChaosFault, ...]
+    expect: Expect
+
+    def plan(self) -> Faults:
+        """The faults ``elastic.Faults`` carries out itself (phase ``step``, its kinds)."""
+        faults = Faults()
+        for f in self.faults:
+            if f.phase == "step" and f.kind in PLAN_KINDS:
+                if f.kind == "transient":
+                    faults.transient_error(at_step=f.at_step)
+                elif f.kind == "hang":
+                    faults.hang_step(at_step=f.at_step, slice=f.slice)
+                else:
+                    {"kill": faults.kill_slice, "revive": faults.revive_slice,
+                     "silence": faults.silence_agent}[f.kind](f.slice, at_step=f.at_step)  # type: ignore[operator]
+        return faults
+
+    @property
+    def hangs(self) -> bool:
+        """Whether a step of this schedule hangs (the step watchdog must be on, and short)."""
+        return any(f.kind == "hang" for f in self.faults)
+
+    def seams(self) -> tuple[ChaosFault, ...]:
+        """The faults the chaos runner carries out (other phases and kinds)."""
+        return tuple(f for f in self.faults if not (f.phase == "step" and f.kind in PLAN_KINDS))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "index": self.index, "scenario": self.scenario, "expect": self.expect,
+                "faults": [f.to_dict() for f in self.faults]}
+
+
+# -- scenario builders: each returns its faults and what the job should do ------------------------------
+def _early(rng: random.Random, shape: JobShape) -> int:
+    """A step in the first half of the run (room left to recover, grow and finish)."""
+    return rng.randint(1, max(1, shape.num_steps // 2 - 1))
+
+
+def _later(rng: random.Random, shape: JobShape, after: int, *, gap: int = 3) -> int:
+    return min(after + rng.randint(gap, gap + 4), shape.num_steps - 2)
+
+
+def _kill(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    phase: Phase = rng.choice(["step", "mid_step", "snapshot"])
+    step = _early(rng, shape)
+    if phase == "snapshot":  # the commit of this step asks for the snapshot of the next
+        step = max(shape.snapshot_every - 1, step - step % shape.snapshot_every - 1)
+    return [ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step, phase=phase)], "finish"
+
+
+def _kill_revive(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    return [ChaosFault(kind="kill", slice=s, at_step=step),
+            ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step))], "finish"
+
+
+def _two_at_once(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    pair, step = rng.sample(range(shape.num_slices), 2), _early(rng, shape)
+    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in pair], "finish"
+
+
+def _every_slice(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    step = _early(rng, shape)
+    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in range(shape.num_slices)], "give_up"
+
+
+def _flapping(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    s, step, faults = rng.randrange(shape.num_slices), rng.randint(1, 3), []
+    for kind in ("kill", "revive", "kill", "revive"):
+        faults.append(ChaosFault(kind=kind, slice=s, at_step=step))  # type: ignore[arg-type]
+        step = _later(rng, shape, step, gap=2)
+    return faults, "finish"
+
+
+def _silence(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    faults = [ChaosFault(kind="silence", slice=s, at_step=step)]
+    if rng.random() < 0.5:
+        faults.append(ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step)))
+    return faults, "finish"
+
+
+def _transient(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    return [ChaosFault(kind="transient", at_step=_early(rng, shape), phase=rng.choice(["step", "mid_step"]))], "finish"
+
+
+def _hang(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A step hangs until the watchdog aborts it: every slice healthy (retried on the same slices), or one
+    slice wedged (dropped, and perhaps revived later) where the job can spare one."""
+    step = _early(rng, shape)
+    if shape.spare < 1 or rng.random() < 0.5:
+        return [ChaosFault(kind="hang", at_step=step)], "finish"
+    s = rng.randrange(shape.num_slices)
+    faults = [ChaosFault(kind="hang", slice=s, at_step=step)]
+    if rng.random() < 0.5:
+        faults.append(ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step)))
+    return faults, "finish"
+
+
+def _straggler(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    return [ChaosFault(kind="straggler", at_step=_early(rng, shape), phase="mid_step",
+                       seconds=round(rng.uniform(0.2, 1.0), 2))], "finish"
+
+
+def _corrupt(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    return [ChaosFault(kind="corrupt", at_step=_early(rng, shape))], "finish"
+
+
+def _after(phase: Phase) -> Build:
+    def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+        first, second = rng.sample(range(shape.num_slices), 2)
+        step = _early(rng, shape)
+        lead = {"after_restore": [ChaosFault(kind="kill", slice=first, at_step=step)],
+                "after_reshard": [ChaosFault(kind="silence", slice=first, at_step=step)],
+                "after_grow": [ChaosFault(kind="kill", slice=first, at_step=step),
+                               ChaosFault(kind="revive", slice=first, at_step=_later(rng, shape, step))]}[phase]
+        return lead + [ChaosFault(kind="kill", slice=second, at_step=step, phase=phase)], "finish"
+
+    return build
+
+
+def _during(phase: Phase) -> Build:
+    """The lead faults of ``after_<phase>``, then a second slice killed inside the restore or move itself."""
+    lead = _after(f"after_{phase}")  # type: ignore[arg-type]
+
+    def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+        faults, expect = lead(rng, shape)
+        return faults[:-1] + [replace(faults[-1], phase=phase)], expect
+
+    return build
+
+
+def _supervisor_restart(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """The supervisor is killed and restarted by Ray; a slice dies a few steps later: the restarted supervisor
+    must still see it."""
+    step = _early(rng, shape)
+    return [ChaosFault(kind="supervisor_restart", at_step=step),
+            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_later(rng, shape, step, gap=2))
+            ], "finish"
+
+
+def _supervisor_lost(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """The supervisor dies for good, then a slice: no recovery can be decided, so the job must end with
+    ``SupervisorLostError`` within its bound (not wait out ``recovery_timeout_s``, not train on unsupervised)."""
+    step = _early(rng, shape)
+    return [ChaosFault(kind="supervisor_lost", at_step=step),
+            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step + 1)], "supervisor_lost"
+
+
+def _two_down(shape: JobShape) -> bool:
+    return shape.spare >= 2 and shape.survives_two
+
+
+CATALOGUE: tuple[Scenario, ...] = (
+    Scenario(name="kill", summary="one slice dies (agent killed, devices fail)",
+             phases=("step", "mid_step", "snapshot"), build=_kill),
+    Scenario(name="kill_revive", summary="one slice dies and comes back: shrink, then grow", phases=("step",),
+             build=_kill_revive),
+    Scenario(name="two_at_once", summary="two slices die in the same step", phases=("step",), build=_two_at_once,
+             applies=_two_down),
+    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound",
+             phases=("step",), build=_every_slice, applies=lambda shape: True),
+    Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping),
+    Scenario(name="silence", summary="an agent stops heartbeating (hung host); the step waits until the supervisor "
+             "drops it", phases=("step",), build=_silence),
+    Scenario(name="transient", summary="a slice-loss error with every slice healthy", phases=("step", "mid_step"),
+             build=_transient, applies=lambda shape: True),
+    Scenario(name="straggler", summary="one step is slow", phases=("mid_step",), build=_straggler,
+             applies=lambda shape: True),
+    Scenario(name="corrupt", summary="a byte of one copy of the newest snapshot flips, then a restore reads it",
+             phases=("step",), build=_corrupt, applies=lambda shape: True),
+    Scenario(name="kill_after_restore", summary="a second slice dies as the first pass after a restore starts",
+             phases=("after_restore",), build=_after("after_restore"), applies=_two_down),
+    Scenario(name="kill_after_reshard", summary="a slice dies as the first pass after a shrink of the live state "
+             "starts", phases=("after_reshard",), build=_after("after_reshard"), applies=_two_down),
+    Scenario(name="kill_after_grow", summary="a slice dies as the first pass after a grow starts",
+             phases=("after_grow",), build=_after("after_grow")),
+    Scenario(name="hang", summary="a step never completes (a hung collective) until the step watchdog aborts it; "
+             "every slice healthy, or one wedged", phases=("step",), build=_hang, applies=lambda shape: True,
+             since=2),
+    Scenario(name="kill_during_restore", summary="a second slice dies while a restore's transfers are in flight",
+             phases=("restore",), build=_during("restore"), applies=_two_down, since=3),
+    Scenario(name="kill_during_reshard", summary="a slice dies while the live state moves onto fewer slices",
+             phases=("reshard",), build=_during("reshard"), applies=_two_down, since=3),
+    Scenario(name="kill_during_grow", summary="a slice dies while the live state moves back onto more slices",
+             phases=("grow",), build=_during("grow"), since=3),
+    Scenario(name="supervisor_restart", summary="the supervisor is killed and restarted; then a slice dies",
+             phases=("step",), build=_supervisor_restart, since=3),
+    Scenario(name="supervisor_lost", summary="the supervisor dies for good, then a slice: the job must end with "
+             "SupervisorLostError within its bound", phases=("step",), build=_supervisor_lost,
+             applies=lambda shape: True, since=3),
+)
+BY_NAME = {s.name: s for s in CATALOGUE}
+
+
+def applicable(shape: JobShape, names: Sequence[str] | None = None) -> list[Scenario]:
+    """The scenarios (of ``names``, default all) that fit a job of this shape."""
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise ConfigError(f"unknown chaos scenario(s) {unknown}; choose from {sorted(BY_NAME)}")
+    if shape.num_steps < 8:
+        raise ConfigError(f"chaos needs num_steps >= 8 to place its faults, got {shape.num_steps}")
+    chosen = [s for s in CATALOGUE if (names is None or s.name in names) and s.applies(shape)]
+    if not chosen:
+        raise ConfigError(f"no chaos scenario of {sorted(names or BY_NAME)} fits a job of {shape.num_slices} "
+                          f"slice(s) with min_slices={shape.min_slices}")
+    return chosen
+
+
+def schedule(seed: int, index: int, shape: JobShape, scenarios: Sequence[str] | None = None) -> Schedule:
+    """Schedule ``index`` of ``seed``: the same faults for the same arguments, in any process."""
+    chosen = applicable(shape, scenarios)
+    order: list[Scenario] = []
+    for since in sorted({s.since for s in chosen}):  # each generation shuffled apart: earlier draws stay put
+        group = [s for s in chosen if s.since == since]
+        random.Random(f"elastic-chaos:{seed}" + (f":{since}" if since > 1 else "")).shuffle(group)
+        order += group
+    scenario = order[index % len(order)]
+    faults, expect = scenario.build(random.Random(f"elastic-chaos:{seed}:{index}"), shape)
+    return Schedule(seed=seed, index=index, scenario=scenario.name, expect=expect,
+                    faults=tuple(sorted(faults, key=lambda f: f.at_step)))
+
+
+def schedules(seed: int, count: int, shape: JobShape, scenarios: Sequence[str] | None = None) -> list[Schedule]:
+    return [schedule(seed, i, shape, scenarios) for i in range(count)]

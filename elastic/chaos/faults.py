@@ -1,0 +1,97 @@
+"""Fault injection through the public API: ``Faults().kill_slice(1, at_step=30).revive_slice(1, at_step=60)``.
+
+Each fault fires once, when the loop reaches its step (a step recomputed after a rollback does not
+fire it again). A killed slice's agent actor dies for real and its simulated devices fail, so
+detection and recovery run exactly as for a real failure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any, Literal
+
+from elastic.errors import ConfigError
+
+__all__ = ["Fault", "Faults"]
+
+Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    kind: Kind
+    at_step: int
+    slice: int | None = None
+
+
+class Faults:
+    """A fluent plan of faults; pass it to ``ElasticJob(faults=...)`` or ``Trainer(faults=...)``."""
+
+    def __init__(self) -> None:
+        self._faults: list[Fault] = []
+
+    def kill_slice(self, slice: int, *, at_step: int) -> Faults:
+        """Slice ``slice`` dies as step ``at_step`` runs: its agent is killed and its devices fail."""
+        return self._add(Fault(kind="kill", slice=slice, at_step=at_step))
+
+    def revive_slice(self, slice: int, *, at_step: int) -> Faults:
+        """A repaired slice ``slice`` comes back (new agent, working devices) at step ``at_step``."""
+        return self._add(Fault(kind="revive", slice=slice, at_step=at_step))
+
+    def silence_agent(self, slice: int, *, at_step: int) -> Faults:
+        """Slice ``slice``'s agent stays alive but stops heartbeating (a hung host)."""
+        return self._add(Fault(kind="silence", slice=slice, at_step=at_step))
+
+    def transient_error(self, *, at_step: int) -> Faults:
+        """Step ``at_step`` raises a slice-loss error although every slice is healthy."""
+        return self._add(Fault(kind="transient", at_step=at_step))
+
+    def hang_step(self, *, at_step: int, slice: int | None = None) -> Faults:
+        """Step ``at_step``'s computation never completes (a hung collective) until the step watchdog
+        (``step_timeout_s``) aborts it. ``slice=None``: every slice stays healthy (a transient hang, retried
+        from the snapshot); ``slice=k``: slice k stays wedged (its probe fails), so the job shrinks without it
+        (its agent still beats; ``revive_slice(k)`` brings it back)."""
+        return self._add(Fault(kind="hang", slice=slice, at_step=at_step))
+
+    def kill_client(self, *, at_step: int) -> Faults:
+        """The client process is SIGKILLed as step ``at_step`` starts (a crashed driver): nothing unwinds,
+        and the job's detached actors, keepers included, are left for a new client to take over."""
+        return self._add(Fault(kind="kill_client", at_step=at_step))
+
+    def _add(self, fault: Fault) -> Faults:
+        for name in ("at_step", "slice"):
+            value = getattr(fault, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{fault.kind} {name} must be an int, got {value!r} of type {type(value).__name__}")
+        if fault.at_step < 0:
+            raise ConfigError(f"{fault.kind} at_step must be 0 or more, got {fault.at_step}")
+        self._faults.append(fault)
+        return self
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        return tuple(sorted(self._faults, key=lambda f: f.at_step))
+
+    def validate(self, *, num_slices: int, num_steps: int) -> None:
+        """Raise :class:`ConfigError` for a fault that could never happen as written."""
+        down: set[int] = set()
+        for f in self.faults:
+            if f.at_step >= num_steps:
+                raise ConfigError(f"{f.kind} at step {f.at_step} is past the last step {num_steps - 1}")
+            if f.slice is not None and not 0 <= f.slice < num_slices:
+                raise ConfigError(f"{f.kind} names slice {f.slice}; slices are 0..{num_slices - 1}")
+            if f.kind == "revive":
+                if f.slice not in down:
+                    raise ConfigError(f"revive_slice({f.slice}) at step {f.at_step}: that slice is not down then")
+                down.discard(f.slice)
+            elif f.kind in ("kill", "silence") or (f.kind == "hang" and f.slice is not None):
+                down.add(f.slice)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._faults)
+
+    def injector(self, job: Any) -> Callable[[int], None]:
+        """The before-step hook that carries this plan out on ``job`` (an ``ElasticJob``)."""
+        from elastic.chaos.injector import FaultInjector
+
+        return FaultInjector.for_job(self, job)

@@ -1,0 +1,374 @@
+"""Ray connection and the job's actors: one supervisor, one agent per slice.
+
+``connect`` joins the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets for its entry
+point) or starts an embedded one with ``ray.init(address="local")``. ``ActorGroup`` launches the
+supervisor and agents, waits (bounded) until each agent has registered, and tears them down. With
+``Policy.respawn_every_s`` set, it also starts a replacement agent for each slice the supervisor lists as
+``respawnable`` (its agent died), at most once per ``respawn_every_s`` per slice: the client owns agent
+creation (and the incarnation counter that names agents ``agent-{slice}-{incarnation}``), so it respawns too.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from elastic import quiet
+
+from elastic.supervision import events
+from elastic.supervision.agent import SliceAgent
+from elastic.config import ElasticConfig
+from elastic.errors import SupervisorError
+from elastic.log import get_logger
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
+
+__all__ = ["connect", "cleanup", "ActorGroup"]
+
+
+def connect(address: str | None = None) -> bool:
+    """Make sure this process is a Ray driver; True if this call started an embedded cluster."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
+    quiet.route_ray_loggers()
+    with quiet.starting_ray():
+        if address:
+            ray.init(address=address, **common)
+        else:
+            context = ray.init(address="local", include_dashboard=False, **common)
+    quiet.route_ray_errors()
+    if address:
+        return False
+    _start_reaper(context.address_info["session_dir"])
+    return True
+
+
+_REAPERS: list[int] = []  # the pids of the reapers started here
+
+
+def _start_reaper(session_dir: str) -> None:
+    """Start ``elastic.control.reaper``: it ends the embedded cluster's processes if this process dies without
+    ``ray.shutdown()`` (SIGKILL included), and exits by itself after a normal shutdown. Spawned with
+    ``posix_spawn`` in its own session: no at-fork hook runs here, and no ``Popen`` is left to warn at exit."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "elastic.control.reaper", "--pid", str(os.getpid()),
+                                          "--session-dir", session_dir], env, file_actions=devnull, setsid=True)
+    _REAPERS.append(pid)
+    threading.Thread(target=os.waitpid, args=(pid, 0), name="reaper-wait", daemon=True).start()  # no zombie
+
+
+CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
+
+
+def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = False) -> list[str]:
+    """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
+
+    The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
+    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
+    supervisor is closed first, so it writes no event about the agents' deaths. ``purge_events``: also
+    delete the job's event stream (every run). Returns the names of the actors killed.
+    """
+    namespace = ElasticConfig(job_name=job_name).namespace
+    names = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+             if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))]
+    killed = []
+    for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # gone meanwhile
+            continue
+        if name == SUPERVISOR_NAME:
+            _close_supervisor(actor, job_name, read_token(job_name))
+        ray.kill(actor, no_restart=True)
+        killed.append(name)
+    if purge_events:
+        events.delete(job_name)
+    return sorted(killed)
+
+
+def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
+    try:
+        ray.get(supervisor.close.remote(token), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - it is killed next in any case
+        get_logger("elastic.control.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
+
+
+class ActorGroup:
+    """The supervisor and the slice agents of one job."""
+
+    def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None) -> None:
+        self._config = config
+        self._agent_nodes = dict(agent_nodes or {})
+        self._agents: dict[int, Any] = {}
+        self._incarnations: dict[int, int] = {}
+        self._lock = threading.RLock()  # agents are spawned on the client's thread and on the respawner's
+        self._started_at: dict[int, float] = {}  # when each slice's newest agent was started (monotonic)
+        self._starting: dict[int, tuple[int, Any, float]] = {}  # respawns in flight: slice -> (incarnation,
+        #                                                          its start() ref, deadline)
+        self._failed: dict[int, int] = {}  # slice -> a respawned incarnation that never registered
+        self._stop = threading.Event()
+        self._respawner: threading.Thread | None = None
+        self.respawns: list[tuple[int, int]] = []  # (slice, incarnation) the respawner started, in order
+        self._log = get_logger("elastic.control.cluster", job=config.job_name)
+        self.supervisor: Any = None
+        self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
+        self.token = secrets.token_hex(16)  # the job's secret: the supervisor takes commands carrying it only
+
+    def launch(self) -> None:
+        """Start the supervisor and every agent; return once all registered and judging began."""
+        cfg = self._config
+        try:
+            existing = ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
+        except ValueError:
+            pass
+        else:
+            self._take_over(existing)
+        self.run = self.run or events.new_run(cfg.job_name)
+        # On the client's node by preference: a host loss elsewhere must not take the supervisor with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.supervisor = Supervisor.options(
+            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
+        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
+        write_token(cfg.job_name, self.token)
+        for index in range(cfg.num_slices):
+            self.spawn_agent(index, wait=False)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        pending = [self._agents[i].start.remote() for i in sorted(self._agents)]
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)
+        if not_ready:
+            raise SupervisorError(
+                f"{len(not_ready)} of {len(pending)} slice agents did not register within startup_timeout_s="
+                f"{cfg.startup_timeout_s}; is the Ray cluster big enough and healthy?"
+            )
+        ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
+        ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
+        if cfg.policy.respawn_every_s is not None:
+            self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}",
+                                               daemon=True)
+            self._respawner.start()
+
+    def _take_over(self, existing: Any) -> None:
+        """Another client's supervisor runs for this job: take the job over if that client is gone (its
+        supervisor and agents are replaced, its keepers kept), refuse if it is alive."""
+        cfg = self._config
+        try:  # the crashed client's run goes on: one stream tells the crash and the take-over
+            self.run = ray.get(existing.run_id.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead or older supervisor: its job's current run, if any
+            self.run = events.current_run(cfg.job_name)
+        deadline = time.monotonic() + CLIENT_GONE_S + 5.0
+        idle = 0.0
+        while time.monotonic() < deadline:
+            try:
+                idle = ray.get(existing.client_idle_s.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a dead or stale supervisor is replaced like an idle one
+                idle = float("inf")
+            if idle > CLIENT_GONE_S:
+                break
+            time.sleep(0.5)
+        else:
+            raise SupervisorError(
+                f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r} and its "
+                "client is alive: pick another job_name or stop that job first"
+            )
+        replaced = cleanup(cfg.job_name, keep_keepers=True)
+        self._log.warning("took_over_job", client_idle_s=round(idle, 1), replaced=replaced)
+
+    def spawn_agent(self, index: int, *, wait: bool = True) -> None:
+        """Start a (new incarnation of the) agent of slice ``index``; a previous agent of that slice, even a
+        silent one still alive, is killed first (a repaired slice has one agent)."""
+        agent = self._spawn(index)
+        if wait:
+            ray.get(agent.start.remote(), timeout=self._config.startup_timeout_s)
+
+    def _spawn(self, index: int) -> Any:
+        cfg = self._config
+        with self._lock:
+            previous = self._agents.pop(index, None)
+            if previous is not None:
+                _kill(previous)
+            incarnation = self._incarnations.get(index, -1) + 1
+            self._incarnations[index] = incarnation
+            options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
+                                       "lifetime": "detached"}
+            if index in self._agent_nodes:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index],
+                                                                                soft=False)
+            agent = SliceAgent.options(**options).remote(
+                index, incarnation, self.supervisor, cfg.heartbeat_interval_s, cfg.job_name
+            )
+            self._agents[index] = agent
+            self._started_at[index] = time.monotonic()
+            self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
+            self._failed.pop(index, None)
+            return agent
+
+    # -- respawning (Policy.respawn_every_s) ----------------------------------------------------
+    def _respawn_loop(self) -> None:
+        every = self._config.policy.respawn_every_s
+        assert every is not None
+        while not self._stop.wait(min(every, 1.0)):
+            try:
+                self._respawn_once(every)
+            except Exception as err:  # noqa: BLE001 - e.g. the supervisor restarting: try again next time
+                self._log.warning("respawn_check_failed", error=repr(err))
+
+    def _respawn_once(self, every: float) -> None:
+        """Settle the respawns in flight, then start a new agent for each slice the supervisor lists as
+        respawnable whose newest agent (ours) is the dead one or never registered, whose node is alive, and
+        whose last agent started at least ``every`` seconds ago."""
+        self._settle_starts()
+        dead = ray.get(self.supervisor.respawnable.remote(), timeout=10)
+        alive: set[str] | None = None
+        for index, incarnation in sorted(dead.items()):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                current = self._incarnations.get(index)
+                if current is None or index in self._starting:
+                    continue
+                if current != incarnation and self._failed.get(index) != current:
+                    continue  # a newer agent holds the slice (a revive) or registers still
+                if time.monotonic() - self._started_at.get(index, -math.inf) < every:
+                    continue
+                node = self._agent_nodes.get(index)
+                if node is not None:
+                    alive = _alive_nodes() if alive is None else alive
+                    if node not in alive:  # dead hardware: a new agent could not start there
+                        continue
+                agent = self._spawn(index)
+                new = self._incarnations[index]
+                self._starting[index] = (new, agent.start.remote(),
+                                         time.monotonic() + self._config.startup_timeout_s)
+                self.respawns.append((index, new))
+                self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
+
+    def _settle_starts(self) -> None:
+        """Forget the respawned agents that registered; mark those that died first, or did not register within
+        ``startup_timeout_s`` (killed then), as failed: their slice may be respawned again."""
+        with self._lock:
+            starting = dict(self._starting)
+        for index, (incarnation, ref, deadline) in starting.items():
+            ready, _ = ray.wait([ref], timeout=0)
+            error = None
+            if ready:
+                try:
+                    ray.get(ref, timeout=10)
+                except Exception as err:  # noqa: BLE001 - it died before registering
+                    error = repr(err)
+            elif time.monotonic() > deadline:
+                error = f"did not register within startup_timeout_s={self._config.startup_timeout_s}"
+            else:
+                continue
+            with self._lock:
+                if self._starting.get(index, (None,))[0] != incarnation:
+                    continue  # superseded meanwhile
+                del self._starting[index]
+                if error is not None:
+                    self._failed[index] = incarnation
+                    _kill(self._agents[index])
+                    self._log.warning("agent_respawn_failed", slice=index, incarnation=incarnation, error=error)
+
+    def agent(self, index: int) -> Any:
+        return self._agents[index]
+
+    def kill_agent(self, index: int) -> None:
+        """Kill slice ``index``'s agent for real (as its host dying would)."""
+        ray.kill(self._agents[index], no_restart=True)
+
+    @retry(retry=retry_if_exception_type(ray.exceptions.GetTimeoutError), stop=stop_after_delay(30),
+           wait=wait_exponential(multiplier=0.1, max=2), reraise=True)
+    def events(self) -> list[dict[str, Any]]:
+        return ray.get(self.supervisor.events.remote(), timeout=10)
+
+    def shutdown(self) -> None:
+        """Kill every actor of the job (they are detached, so nothing else would); the event stream stays.
+
+        The supervisor is closed first: the agents' deaths that follow are neither judged nor written to the
+        stream. The respawner stops first; every ``agent-*`` actor of the namespace is killed last, whoever
+        started it.
+        """
+        self._stop.set()
+        if self._respawner is not None:
+            self._respawner.join(timeout=30)
+        with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
+            if self.supervisor is not None:
+                _close_supervisor(self.supervisor, self._config.job_name, self.token)
+            quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
+            ray.wait(quiet, num_returns=len(quiet), timeout=5)
+            for agent in self._agents.values():
+                _kill(agent)
+            if self.supervisor is not None:
+                _kill(self.supervisor)
+            self._agents.clear()
+            self._starting.clear()
+            _sweep_agents(self._config.namespace)
+        remove_token(self._config.job_name, self.token)
+
+
+# -- the job's token, for the operator's commands (elastic inject) on the client's machine ---------------
+def token_path(job_name: str) -> Path:
+    """``$ELASTIC_HOME/tokens/<job>`` (default ``~/.elastic``): readable by the client's user only."""
+    return Path(os.environ.get("ELASTIC_HOME", "~/.elastic")).expanduser() / "tokens" / job_name
+
+
+def write_token(job_name: str, token: str) -> None:
+    path = token_path(job_name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+    except OSError as err:  # a read-only home: operators then pass --token
+        get_logger("elastic.control.cluster", job=job_name).warning("token_not_written", path=str(path), error=repr(err))
+
+
+def read_token(job_name: str) -> str | None:
+    try:
+        return token_path(job_name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove_token(job_name: str, token: str) -> None:
+    """Remove the token file if it is still this client's (a successor may have written its own)."""
+    if read_token(job_name) == token:
+        try:
+            token_path(job_name).unlink()
+        except OSError:
+            pass
+
+
+def _alive_nodes() -> set[str]:
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
+def _sweep_agents(namespace: str) -> None:
+    """Kill every ``agent-*`` actor left in ``namespace``."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith("agent-"):
+            continue
+        try:
+            actor = ray.get_actor(entry["name"], namespace=namespace)
+        except ValueError:  # gone meanwhile
+            continue
+        _kill(actor)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead is fine
+        pass

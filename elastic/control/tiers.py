@@ -1,0 +1,177 @@
+"""The job's snapshot tiers and the order a restore reads them in.
+
+1. In memory (``snapshot.Snapshotter``): copies in the host memory of devices on ``tiers.copies``
+   distinct slices; read from the survivors only.
+2. Keepers (``snapshot.keeper.KeeperTier``): every ``tiers.keeper_every``-th complete snapshot,
+   pushed from the snapshot's background thread to keeper actors that outlive this process.
+3. Persistent (``snapshot.persistent.PersistentTier``): an asynchronous Orbax checkpoint every
+   ``tiers.persistent_every`` steps.
+
+A restore tries them in that order and says which one it used.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+import runtime
+from elastic.config import ElasticConfig
+from elastic.errors import ElasticError
+from elastic.log import get_logger
+from elastic.control.report import Report
+from snapshot import (NoSnapshotError, Restored, SnapshotConfig, SnapshotCorruptError, SnapshotFailedError,
+                      SnapshotInfo, Snapshotter, SnapshotUnavailableError, restore_image)
+
+__all__ = ["SnapshotPolicy", "TierSet"]
+
+WAIT_S = 120.0  # bound on waiting for an in-flight snapshot or a keeper answer
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotPolicy:
+    """When the controller asks for a snapshot: every ``every`` steps and after the last one."""
+
+    every: int
+    num_steps: int
+
+    def due(self, next_step: int) -> bool:
+        return next_step % self.every == 0 or next_step == self.num_steps
+
+
+class TierSet:
+    def __init__(self, config: ElasticConfig, topology: runtime.Topology, abstract_state: Any) -> None:
+        self._config = config
+        tiers = config.tiers
+        slice_by_id = {d.id: s.index for s in topology.slices for d in s.devices}
+        self._snapshots = Snapshotter(
+            SnapshotConfig(keep=config.keep_snapshots, copies=min(tiers.copies, config.num_slices),
+                           on_busy=tiers.on_busy),
+            slice_of=lambda d: slice_by_id[d.id],
+            guard=runtime.simulated.check_devices if config.simulated else None,
+            on_complete=self._completed,
+        )
+        self._abstract = abstract_state
+        self._treedef = jax.tree_util.tree_structure(abstract_state)
+        self._keepers: Any = None
+        self._persistent: Any = None
+        self._completed_count = 0
+        self.last_completed: tuple[int, str] | None = None  # (step, deepest tier) of the newest complete snapshot
+        self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
+        self._log = get_logger("elastic.control.tiers", job=config.job_name)
+
+    def start(self) -> None:
+        """Attach (or create) the keepers and the persistent tier; needs a Ray connection."""
+        tiers = self._config.tiers
+        if tiers.keeper_every and self._keepers is None:
+            from snapshot.keeper import KeeperTier
+
+            self._keepers = KeeperTier(self._config.namespace, num_keepers=tiers.keepers, keep=1)
+            self._keepers.start()
+        if tiers.persistent_dir is not None and self._persistent is None:
+            from snapshot.persistent import PersistentTier
+
+            self._persistent = PersistentTier(tiers.persistent_dir, every=tiers.persistent_every,
+                                              job=self._config.job_name)
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Request an in-memory snapshot (returns without waiting for the copy), and a persistent
+        checkpoint when one is due."""
+        self._snapshots.save(step, state, meta)
+        if self._persistent is not None and self._persistent.due(step):
+            self._persistent.save(step, state, meta)
+
+    def _completed(self, info: SnapshotInfo) -> None:
+        """On the snapshot thread, after each complete generation: feed the keepers every R-th one."""
+        self._completed_count += 1
+        tier = "memory"
+        if self._keepers is not None and self._completed_count % self._config.tiers.keeper_every == 0:
+            self._keepers.push(self._snapshots.image())
+            tier = "keeper"
+        self.last_completed = (info.step, tier)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The in-memory tier's counters (snapshots taken, seconds blocked, bytes held), without waiting."""
+        return self._snapshots.stats()
+
+    def latest(self) -> SnapshotInfo:
+        self._wait()
+        info = self._snapshots.latest
+        if info is None:
+            raise NoSnapshotError("no snapshot has completed yet")
+        return info
+
+    def _wait(self) -> None:
+        try:
+            self._snapshots.wait(WAIT_S)
+        except SnapshotFailedError as err:  # the previous generation stays; say so once
+            self._log.warning("snapshot_failed", step=err.step, cause=err.cause)
+
+    # -- restoring -------------------------------------------------------------------------
+    def restore(self, shardings: Any, devices: Iterable[Any], *, epoch: int) -> Restored | None:
+        """The newest state any tier holds, placed on ``shardings``; None when no tier holds anything.
+
+        In memory first (survivors' copies only), then the keepers, then the persistent tier.
+        """
+        try:
+            # A snapshot still in flight is the newest: restored from its staged shards, or waited for.
+            return self._snapshots.load(shardings, available=set(devices))
+        except NoSnapshotError:
+            pass
+        except (SnapshotUnavailableError, SnapshotCorruptError) as err:
+            self._log.warning("memory_tier_unusable", epoch=epoch, error=str(err)[:300])
+        finally:
+            self.last_wait_seconds = self._snapshots.stats()["last_load_wait_seconds"]
+        held_in_memory = self._snapshots.latest is not None
+        if self._keepers is not None:
+            image = self._keepers.latest(timeout=WAIT_S)
+            if image is not None:
+                state = restore_image(image, self._treedef, shardings)
+                meta = {k: v for k, v in image.meta.items() if k != "_values"}
+                return Restored(step=image.step, generation=image.generation, state=state, meta=meta, tier="keeper")
+        if self._persistent is not None and self._persistent.latest_step() is not None:
+            target = jax.tree_util.tree_map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract, shardings)
+            step, state, meta = self._persistent.load(target)
+            return Restored(step=step, generation=step, state=state, meta=meta, tier="persistent")
+        if held_in_memory:
+            raise ElasticError(
+                "no tier can restore the state: the in-memory snapshot lost more slices than its copies survive "
+                "and no keeper or persistent copy exists; raise tiers.copies, or turn on tiers.keeper_every or "
+                "tiers.persistent_dir"
+            )
+        return None
+
+    # -- accounting and shutdown ------------------------------------------------------------
+    def fill(self, report: Report) -> None:
+        self._wait()
+        s = self._snapshots.stats()
+        report.snapshots_requested = s["snapshots_requested"]
+        report.snapshots_taken = s["snapshots_taken"]
+        report.snapshots_coalesced = s["snapshots_coalesced"]
+        report.snapshots_failed = s["snapshots_failed"]
+        report.snapshot_blocking_seconds = round(s["blocking_seconds"], 4)
+        report.snapshot_held_bytes = s["held_bytes"]
+        report.snapshot_copies = s["copies"]
+        if self._keepers is not None:
+            self._keepers.wait(WAIT_S)
+            k = self._keepers.stats()
+            report.keeper_bytes = k["keeper_bytes"]
+            report.keeper_pushes = k["keeper_pushes"]
+        if self._persistent is not None:
+            self._persistent.wait()
+            report.persistent_saves = self._persistent.stats()["persistent_saves"]
+
+    def close(self) -> None:
+        """Stop the snapshot thread, kill the keepers (a clean end needs them no more), finish Orbax writes."""
+        self._snapshots.close()
+        if self._keepers is not None:
+            self._keepers.close(kill=True)
+            self._keepers = None
+        if self._persistent is not None:
+            self._persistent.wait()
+            self._persistent.close()
+            self._persistent = None

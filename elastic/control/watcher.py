@@ -1,0 +1,125 @@
+"""The client's copy of the membership view, kept current by a background thread.
+
+The thread long-polls ``Supervisor.wait_for_epoch`` (the supervisor answers when the epoch changes,
+or after ``poll_s``), so the training loop reads the latest view without any remote call, and
+``wait_for`` blocks on a condition variable with a bound.
+
+A supervisor that Ray restarts answers again within seconds (calls wait for it meanwhile). One that has not
+answered for ``lost_after_s`` is gone for good: from then on ``view`` and ``wait_for`` raise
+:class:`~elastic.errors.SupervisorLostError` (a waiter already blocked wakes at once), so the job ends with a
+clear error instead of waiting out ``recovery_timeout_s``, or training on unsupervised.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from elastic.config import ElasticConfig
+from elastic.errors import GiveUpError, RecoveryTimeoutError, SupervisorLostError
+from elastic.log import get_logger
+from elastic.supervision.membership import View
+
+__all__ = ["ViewWatcher", "supervisor_lost_after_s", "LOST_AFTER_S"]
+
+
+def supervisor_lost_after_s(config: ElasticConfig) -> float:
+    """How long a supervisor may stay unreachable before the job counts it gone for good: 5 heartbeat
+    timeouts, at least 10 s (Ray restarts a crashed supervisor, which replays its log, well within that)."""
+    return max(5 * config.heartbeat_timeout_s, 10.0)
+
+
+LOST_AFTER_S = supervisor_lost_after_s(ElasticConfig())  # for the default configuration: 15 s
+
+
+class ViewWatcher:
+    def __init__(self, supervisor: Any, initial: View, *, job: str, poll_s: float = 2.0,
+                 lost_after_s: float = LOST_AFTER_S) -> None:
+        self._supervisor = supervisor
+        self._view = initial
+        self._job = job
+        self._poll_s = poll_s
+        self._lost_after_s = lost_after_s
+        self._lost: str | None = None  # why the supervisor counts as gone for good
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._log = get_logger("elastic.control.watcher", job=job)
+        self._unreachable = False
+        self._thread = threading.Thread(target=self._run, name="elastic-view-watcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def view(self) -> View:
+        """The newest view seen (no remote call); raises ``SupervisorLostError`` once the supervisor is gone."""
+        self._raise_if_lost()
+        return self._view
+
+    @property
+    def supervisor_lost(self) -> SupervisorLostError | None:
+        """Why the supervisor counts as gone for good, or None while it answers (or may still come back)."""
+        return None if self._lost is None else SupervisorLostError(self._lost)
+
+    def _raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise SupervisorLostError(self._lost)
+
+    def _run(self) -> None:
+        contact = time.monotonic()  # the last answer from the supervisor
+        while not self._stop.is_set():
+            try:
+                ref = self._supervisor.wait_for_epoch.remote(self._view.epoch, self._poll_s)
+                view = ray.get(ref, timeout=self._poll_s + self._lost_after_s)
+            except Exception as err:  # noqa: BLE001 - a restarting supervisor; retry with a bound pause
+                silent = time.monotonic() - contact
+                if silent > self._lost_after_s:
+                    self._give_up(err, silent)
+                    return
+                if not self._unreachable:
+                    self._log.warning("supervisor_unreachable", error=repr(err))
+                    self._unreachable = True
+                self._stop.wait(0.5)
+                continue
+            contact = time.monotonic()
+            if self._unreachable:
+                self._log.info("supervisor_reachable_again")
+                self._unreachable = False
+            if view.epoch > self._view.epoch:
+                with self._cond:
+                    self._view = view
+                    self._cond.notify_all()
+
+    def _give_up(self, err: Exception, silent: float) -> None:
+        reason = (f"the supervisor of job {self._job!r} is gone: no answer for {silent:.1f}s (more than "
+                  f"{self._lost_after_s:.1f}s; last error: {type(err).__name__}: {err}); without it no "
+                  "failure can be detected or recovered, so the job ends here")
+        self._log.error("supervisor_lost", silent_s=round(silent, 1), error=repr(err), epoch=self._view.epoch)
+        with self._cond:
+            self._lost = reason
+            self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[View], bool], timeout_s: float, *, what: str) -> View:
+        """The first view satisfying ``predicate``; raises on give-up, on losing the supervisor for good, or
+        after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._raise_if_lost()
+                view = self._view
+                if view.gave_up is not None:
+                    raise GiveUpError(view.gave_up, epoch=view.epoch)
+                if predicate(view):
+                    return view
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RecoveryTimeoutError(
+                        f"no membership view with {what} within {timeout_s}s (last: epoch {view.epoch}, "
+                        f"slices {sorted(view.active)}, reason {view.reason!r})"
+                    )
+                self._cond.wait(left)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._poll_s + 5)

@@ -1,0 +1,1 @@
+"""The demos behind `elastic demo` and `elastic chaos`."""

@@ -1,0 +1,156 @@
+"""The operator's commands: ``elastic status``, ``events [--follow]``, ``report [--out timeline.png]``, ``inject``.
+
+Each reads the job named by ``--job`` (default ``demo``) from the cluster named by ``RAY_ADDRESS``, or from
+its run record when no cluster is named (see :mod:`elastic.ops.runs`), and takes ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["register"]
+
+FOLLOW_POLL_S = 0.5
+
+
+def _source(args: argparse.Namespace) -> Any:
+    from elastic.ops.runs import open_run
+
+    return open_run(args.job, run=args.run, directory=args.dir)
+
+
+def _print_records(records: list[dict[str, Any]], as_json: bool) -> None:
+    from elastic.ops.runs import describe
+
+    for r in records:
+        if as_json:
+            print(json.dumps(r, default=str), flush=True)
+        else:
+            stamp = time.strftime("%H:%M:%S", time.localtime(r["wall"])) + f".{int(r['wall'] % 1 * 1000):03d}"
+            print(f"{stamp} {r['writer']:>14} {describe(r)}", flush=True)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from elastic.ops.runs import fold_status
+
+    status = fold_status(_source(args))
+    if args.json:
+        print(json.dumps(status, default=str), flush=True)
+        return 0
+    print(f"job {status['job']} run {status['run']} ({status['source']}): {status['state']}")
+    print(f"  epoch {status['epoch']}, slices {status['slices']} ({status['reason']})")
+    print(f"  step {status['step']}, {status['steps_per_s']} steps/s; newest snapshot: step {status['snapshot_step']} "
+          f"({status['snapshot_tier']}); failures {status['failures']}, recoveries {status['recoveries']}")
+    for r in status["recent"]:
+        print(f"  {time.strftime('%H:%M:%S', time.localtime(r['wall']))} {r['writer']:>14} {r['what']}")
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from elastic.supervision import events
+
+    source = _source(args)
+    records = source.records
+    if args.kind:
+        wanted = set(args.kind.split(","))
+        records = [r for r in records if r["kind"] in wanted]
+    _print_records(records, args.json)
+    if not args.follow or not source.where.startswith("cluster"):
+        return 0
+    last = max(((r["wall"], r["writer"], r["seq"]) for r in source.records), default=None)
+    deadline = time.monotonic() + args.follow_for if args.follow_for else None
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(FOLLOW_POLL_S)  # a poll of the GCS store: there is no change feed to wait on
+        fresh = events.read(source.job, source.run, after=last)
+        if fresh:
+            last = max((r["wall"], r["writer"], r["seq"]) for r in fresh)
+            _print_records([r for r in fresh if not args.kind or r["kind"] in set(args.kind.split(","))], args.json)
+            if any(r["kind"] == "closed" for r in fresh):
+                return 0
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from elastic.ops.runs import fold_report
+
+    source = _source(args)
+    report = fold_report(source)
+    if args.out:
+        from elastic.ops.picture import render_timeline
+
+        path = render_timeline(source.records, args.out, title=f"{source.job} · run {source.run}")
+        report["picture"] = str(path)
+    if args.json:
+        print(json.dumps(report, default=str), flush=True)
+    else:
+        shown = {k: v for k, v in report.items() if k != "timeline"}
+        print(json.dumps(shown, indent=2, default=str), flush=True)
+    return 0
+
+
+def _inject(args: argparse.Namespace) -> int:
+    import ray
+
+    from elastic.control.cluster import connect, read_token
+    from elastic.config import ElasticConfig
+    from elastic.errors import ConfigError
+    from elastic.supervision.supervisor import SUPERVISOR_NAME
+
+    if not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError("elastic inject acts on a running job: set RAY_ADDRESS to its cluster")
+    token = args.token or read_token(args.job)
+    if token is None:
+        raise ConfigError(f"no token for job {args.job!r}: run this on the job's client machine as its user (the "
+                          "client writes $ELASTIC_HOME/tokens/<job>), or pass --token")
+    if not args.yes:
+        answer = input(f"inject {args.fault} into slice {args.slice} of job {args.job!r}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not injected", file=sys.stderr)
+            return 1
+    connect()
+    namespace = ElasticConfig(job_name=args.job).namespace
+    try:
+        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+    except ValueError as err:
+        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
+    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token), timeout=30)
+    print(json.dumps({"job": args.job, **out}) if args.json else
+          f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}", flush=True)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", default="demo", help="the job's name (default: demo)")
+    p.add_argument("--run", help="a run of the job (default: its newest)")
+    p.add_argument("--dir", help="read a run record directory instead of the cluster")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+
+
+def register(sub: Any) -> None:
+    """Add the operator's subcommands to the ``elastic`` parser's subparsers."""
+    status = sub.add_parser("status", help="a job's slices, epoch, step, step rate, newest snapshot, recent events")
+    _common(status)
+    status.set_defaults(func=_status)
+    ev = sub.add_parser("events", help="a job's event stream: observations, decisions and reasons, recovery phases")
+    _common(ev)
+    ev.add_argument("--kind", help="only these kinds (comma-separated: view,health,timeline,progress,...)")
+    ev.add_argument("--follow", action="store_true", help="keep printing new events until the job closes")
+    ev.add_argument("--follow-for", type=float, help="stop following after this many seconds")
+    ev.set_defaults(func=_events)
+    report = sub.add_parser("report", help="a job's report (JSON); --out timeline.png draws it")
+    _common(report)
+    report.add_argument("--out", help="write a PNG timeline: slices over time, failures, recoveries, snapshots, steps")
+    report.set_defaults(func=_report)
+    inject = sub.add_parser("inject", help="inject a fault into a running job (asks for confirmation)")
+    inject.add_argument("fault", choices=("kill", "silence"), help="kill: the slice's agent dies (as its host); "
+                        "silence: it stops heartbeating (a hung host)")
+    inject.add_argument("--slice", type=int, required=True)
+    inject.add_argument("--job", default="demo")
+    inject.add_argument("--token", help="the job's token (default: $ELASTIC_HOME/tokens/<job>, written by its client)")
+    inject.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    inject.add_argument("--json", action="store_true")
+    inject.set_defaults(func=_inject)

@@ -1,0 +1,1 @@
+"""Where a slice's devices live: in this process, or in a worker process per slice."""

@@ -1,0 +1,1 @@
+"""The supervisor side (Ray actors): the supervisor, slice agents, decide, the event stream."""

@@ -1,0 +1,119 @@
+"""Agent actors: they heartbeat to the supervisor for their slices and die with their host.
+
+On a real cluster an agent is placed on its slice's host, so a host loss kills it and the supervisor
+notices at once (its lifeline call fails); a hung host stops its heartbeats. The job runs one
+:class:`SliceAgent` per slice; a :class:`SliceGroupAgent` holds many slices (e.g. every slice of one
+host) and sends one heartbeat call per interval for all of them.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from elastic.log import get_logger
+
+__all__ = ["SliceAgent", "SliceGroupAgent"]
+
+
+@ray.remote(num_cpus=0)
+class SliceAgent:
+    def __init__(self, slice_index: int, incarnation: int, supervisor: object, interval_s: float, job: str) -> None:
+        self._slice = slice_index
+        self._incarnation = incarnation
+        self._supervisor = supervisor
+        self._interval_s = interval_s
+        self._silent = False
+        self._task: asyncio.Task | None = None
+        self._log = get_logger("elastic.supervision.agent", job=job, slice=slice_index)
+
+    async def start(self) -> int:
+        """Register with the supervisor and start heartbeating; returns the incarnation."""
+        await self._supervisor.register.remote(self._slice, self._incarnation, ray.get_runtime_context().current_actor)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._beat())
+        return self._incarnation
+
+    async def _beat(self) -> None:
+        while True:
+            if not self._silent:
+                try:
+                    known = await self._supervisor.heartbeat.remote(self._slice, self._incarnation)
+                    if not known:  # the supervisor restarted or dropped us: register again
+                        await self._supervisor.register.remote(
+                            self._slice, self._incarnation, ray.get_runtime_context().current_actor
+                        )
+                except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
+                    self._log.warning("heartbeat_failed", error=repr(err))
+            await asyncio.sleep(self._interval_s)
+
+    async def lifeline(self) -> None:
+        """Never returns; the caller's await fails when this actor dies."""
+        await asyncio.Event().wait()
+
+    async def silence(self) -> None:
+        """Stop heartbeating while staying alive (a hung host, for fault injection)."""
+        self._silent = True
+
+    async def stall(self, seconds: float) -> float:
+        """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): no
+        heartbeat goes out meanwhile, then beating resumes. Returns the wall time it resumed."""
+        return _stall(seconds)
+
+
+@ray.remote(num_cpus=0)
+class SliceGroupAgent:
+    """One agent for many slices: one registration, one heartbeat call per interval and one lifeline for
+    all of them, so its death loses every slice it holds. ``slices`` maps each slice to its incarnation."""
+
+    def __init__(self, slices: dict[int, int], supervisor: object, interval_s: float, job: str) -> None:
+        self._slices = dict(slices)
+        self._supervisor = supervisor
+        self._interval_s = interval_s
+        self._silent: set[int] = set()
+        self._task: asyncio.Task | None = None
+        self._log = get_logger("elastic.supervision.agent", job=job, slices=len(self._slices))
+
+    async def start(self) -> list[int]:
+        """Register every slice with the supervisor and start heartbeating; returns the slices."""
+        await self._register(sorted(self._slices))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._beat())
+        return sorted(self._slices)
+
+    async def _register(self, slices: list[int]) -> None:
+        me = ray.get_runtime_context().current_actor
+        await self._supervisor.register_slices.remote([(s, self._slices[s]) for s in slices], me)
+
+    async def _beat(self) -> None:
+        while True:
+            beats = [(s, incarnation) for s, incarnation in self._slices.items() if s not in self._silent]
+            if beats:
+                try:
+                    unknown = await self._supervisor.heartbeats.remote(beats)
+                    if unknown:  # the supervisor restarted or dropped these: register them again
+                        await self._register(unknown)
+                except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
+                    self._log.warning("heartbeat_failed", error=repr(err))
+            await asyncio.sleep(self._interval_s)
+
+    async def lifeline(self) -> None:
+        """Never returns; the caller's await fails when this actor dies."""
+        await asyncio.Event().wait()
+
+    async def silence(self, slices: list[int] | None = None) -> float:
+        """Stop heartbeating for ``slices`` (all by default) while staying alive, as hung hosts would
+        (for fault injection); returns the wall time from which they are silent."""
+        self._silent.update(self._slices if slices is None else slices)
+        return time.time()
+
+    async def stall(self, seconds: float) -> float:
+        """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): none
+        of its slices heartbeats meanwhile, then beating resumes. Returns the wall time it resumed."""
+        return _stall(seconds)
+
+
+def _stall(seconds: float) -> float:
+    time.sleep(seconds)  # on purpose in an async method: the whole actor stalls, as in a long GC pause
+    return time.time()

@@ -1,0 +1,208 @@
+"""The supervisor's decisions: a pure function of the view, the health history, the clock and the policy.
+
+``decide`` reads no clock and calls no Ray; the supervisor feeds it observations and carries out the
+:class:`Decision` it returns. Every decision carries a readable ``reason``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from elastic.errors import ConfigError
+from elastic.validate import count, positive
+from elastic.supervision.membership import HealthEvent, View
+
+__all__ = ["Policy", "Decision", "Stay", "Shrink", "Grow", "Wait", "GiveUp", "decide", "healthy_slices",
+           "HealthTally"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How the supervisor answers changes in slice health.
+
+    ``min_slices``: shrink while at least this many slices are healthy; below it, wait up to
+    ``repair_timeout_s`` for repairs, then give up. ``max_slice_failures``: a slice that failed this
+    many times is not taken back (0: no limit). ``respawn_every_s``: start a replacement agent for a slice
+    whose agent died (its node alive, the slice not quarantined and not seen failing by the client) at most
+    once per this many seconds per slice; None (the default): a dead agent's slice stays out until revived.
+    """
+
+    min_slices: int = 1
+    repair_timeout_s: float = 60.0
+    max_slice_failures: int = 0
+    respawn_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        count("min_slices", self.min_slices)
+        positive("repair_timeout_s", self.repair_timeout_s)
+        count("max_slice_failures", self.max_slice_failures, 0, what="0 (no limit) or more")
+        if self.respawn_every_s is not None:
+            try:
+                positive("respawn_every_s", self.respawn_every_s)
+            except ConfigError as err:
+                raise ConfigError(f"{err}; or None to turn respawning off") from err
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stay(Decision):
+    """Keep the current view."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shrink(Decision):
+    """Publish a view over ``to``: some active slices are lost (slices may also come back at once)."""
+
+    to: frozenset[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grow(Decision):
+    """Publish a view over ``to``, a superset of the active slices."""
+
+    to: frozenset[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wait(Decision):
+    """Too few healthy slices: keep waiting for repairs until ``until``."""
+
+    until: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GiveUp(Decision):
+    """End the job with a clear error."""
+
+
+def healthy_slices(history: Sequence[HealthEvent]) -> frozenset[int]:
+    """Slices whose latest event says healthy."""
+    last: dict[int, bool] = {}
+    for e in history:
+        last[e.slice] = e.healthy
+    return frozenset(s for s, ok in last.items() if ok)
+
+
+class HealthTally:
+    """What :func:`decide` reads of a health history, folded in one event at a time.
+
+    ``decide`` over a plain history rebuilds a tally on every call: O(history), and finding since when
+    the job has been below ``min_slices`` is O(history x slices) that way. The supervisor keeps one tally
+    instead and adds each event as it happens (O(1)), so judging costs O(slices) however long the
+    history. A tally is built for one policy: ``min_slices`` and ``max_slice_failures`` shape it. The
+    sets it exposes are its own: read them, never change them.
+    """
+
+    def __init__(self, policy: Policy, history: Iterable[HealthEvent] = ()) -> None:
+        self.policy = policy
+        self._last: dict[int, bool] = {}
+        self._failures: dict[int, int] = {}
+        self._healthy: set[int] = set()
+        self._quarantined: set[int] = set()
+        self._usable: set[int] = set()
+        self._seen_enough = False  # usable slices reached min_slices at least once
+        self._below_min_since: float | None = None
+        for e in history:
+            self.add(e)
+
+    def add(self, e: HealthEvent) -> None:
+        """Fold in the next event (events come in the order they happened)."""
+        s = e.slice
+        self._last[s] = e.healthy
+        if e.healthy:
+            self._healthy.add(s)
+        else:
+            self._healthy.discard(s)
+            self._failures[s] = self._failures.get(s, 0) + 1
+            limit = self.policy.max_slice_failures
+            if limit and self._failures[s] >= limit:
+                self._quarantined.add(s)  # a slice stops being usable from the failure that quarantines it
+        if e.healthy and s not in self._quarantined:
+            self._usable.add(s)
+        else:
+            self._usable.discard(s)
+        if len(self._usable) >= self.policy.min_slices:
+            self._seen_enough, self._below_min_since = True, None
+        elif self._seen_enough and self._below_min_since is None:
+            self._below_min_since = e.time
+
+    def knows(self, slice_index: int) -> bool:
+        """Whether any event has named this slice."""
+        return slice_index in self._last
+
+    def is_healthy(self, slice_index: int) -> bool:
+        return self._last.get(slice_index, False)
+
+    @property
+    def healthy(self) -> AbstractSet[int]:
+        """Slices whose latest event says healthy."""
+        return self._healthy
+
+    @property
+    def quarantined(self) -> AbstractSet[int]:
+        """Slices that failed ``max_slice_failures`` times (never, when that is 0)."""
+        return self._quarantined
+
+    @property
+    def usable(self) -> AbstractSet[int]:
+        """Healthy and not quarantined."""
+        return self._usable
+
+    @property
+    def below_min_since(self) -> float | None:
+        """Time since which the usable count has stayed below ``min_slices`` (None if it is not below, or
+        never reached it)."""
+        return self._below_min_since
+
+
+def _names(slices: AbstractSet[int]) -> str:
+    return ", ".join(str(s) for s in sorted(slices)) or "none"
+
+
+def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float, policy: Policy) -> Decision:
+    """What the supervisor should do now.
+
+    ``history`` is the health events so far, oldest first, or a :class:`HealthTally` of them built for
+    ``policy`` (the same answer, in O(slices) rather than O(history x slices)). A tally is only read.
+    """
+    if view.gave_up is not None:
+        return Stay(reason=f"already gave up: {view.gave_up}")
+    tally = history if isinstance(history, HealthTally) else HealthTally(policy, history)
+    if tally.policy != policy:
+        raise ValueError(f"decide() got a HealthTally built for {tally.policy}, not for {policy}")
+    quarantined, healthy, usable = tally.quarantined, tally.healthy, tally.usable
+    if len(usable) < policy.min_slices:
+        since = tally.below_min_since
+        if since is None:  # the job never had enough slices yet: still starting up
+            return Stay(reason=f"waiting for slices to register: {len(usable)} of {policy.min_slices} needed")
+        deadline = since + policy.repair_timeout_s
+        if now >= deadline:
+            return GiveUp(
+                reason=f"only {len(usable)} usable slice(s) ({_names(usable)}) for {now - since:.1f}s, "
+                f"below min_slices={policy.min_slices}, and none repaired within repair_timeout_s="
+                f"{policy.repair_timeout_s}"
+            )
+        return Wait(
+            until=deadline,
+            reason=f"{len(usable)} usable slice(s) ({_names(usable)}) < min_slices={policy.min_slices}; "
+            f"waiting for repair (repair_timeout_s={policy.repair_timeout_s})",
+        )
+    lost = view.active - usable
+    back = usable - view.active
+    if lost:
+        extra = f"; slice(s) {_names(back)} back" if back else ""
+        held = f" (slice(s) {_names(lost & quarantined)} failed too often)" if lost & quarantined else ""
+        return Shrink(to=frozenset(usable),
+                      reason=f"lost slice(s) {_names(lost)}{held}{extra}: continue on {_names(usable)}")
+    if back:
+        verb = "joined" if view.epoch == 0 else "back"
+        return Grow(to=frozenset(usable), reason=f"slice(s) {_names(back)} {verb}: run on {_names(usable)}")
+    if quarantined & healthy:
+        return Stay(reason=f"slice(s) {_names(quarantined & healthy)} failed too often and stay out")
+    return Stay(reason="membership unchanged")

@@ -1,0 +1,354 @@
+"""The supervisor: one detached, named Ray actor per job holding the membership view.
+
+It observes slice health (registrations, heartbeats, agent death, client reports), folds each
+observation into a :class:`~elastic.supervision.policy.HealthTally` (so judging costs O(slices), not O(history)),
+asks :func:`elastic.supervision.policy.decide` what to do, and publishes the answer as a new
+:class:`~elastic.supervision.membership.View` with a higher epoch. An agent holding many slices registers and
+heartbeats them in one call each (``register_slices``, ``heartbeats``). Clients wait on epoch changes with
+``wait_for_epoch`` (an ``asyncio.Condition``, no polling). Every change is appended to the job run's event
+stream (:mod:`elastic.supervision.events`, in Ray's GCS), from which a restarted supervisor, on any node, rebuilds its
+view, its health history (so quarantine holds) and the agents it refuses; agents re-register on their next
+heartbeat; epochs continue.
+
+An agent silent past ``heartbeat_timeout_s`` is dropped, but not for good: when it beats again (a long GC
+pause), it re-registers and its slice rejoins through :func:`~elastic.supervision.policy.decide` like any repaired
+slice, each lapse counting as a failure towards ``max_slice_failures``. An agent that died, or whose slice
+the client saw fail, is refused for good: only a new incarnation brings its slice back. With
+``Policy.respawn_every_s`` set, the client's :class:`~elastic.control.cluster.ActorGroup` starts that new incarnation
+for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
+``close`` ends supervision for good (the job is closing): it stops judging and writing events.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from elastic.errors import SupervisorError
+from elastic.supervision.events import EventStream
+from elastic.log import get_logger
+from elastic.supervision.membership import HealthEvent, View
+from elastic.supervision.policy import GiveUp, Grow, HealthTally, Policy, Shrink, Stay, Wait, decide
+
+__all__ = ["Supervisor", "SUPERVISOR_NAME"]
+
+SUPERVISOR_NAME = "supervisor"
+_AGENT_DIED = "agent died"  # the cause of a refusal whose agent died (a respawnable slice)
+_CLIENT_REPORT = "client report: "  # the cause of a health event from the client's report_lost
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Supervisor:
+    def __init__(self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str,
+                 token: str | None = None) -> None:
+        self._job = job
+        self._policy = policy
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._tick_s = tick_s
+        self._run = run
+        self._token = token  # the job's secret: commands (report_lost, close, inject) must carry it (None: open)
+        self._stream = EventStream(job, run, "supervisor")
+        self._view = View()
+        self._tally = HealthTally(policy)  # the health history, folded as it grows
+        self._beats: dict[int, float] = {}
+        self._incarnations: dict[int, int | None] = {}  # the registered agent of each slice judged by heartbeats
+        self._newest: dict[int, int] = {}  # the newest incarnation seen per slice: older ones are refused
+        self._revoked: set[tuple[int, int]] = set()  # (slice, incarnation) dead or failed: never healthy again
+        self._watched: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent's lifeline is watched
+        self._died: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent died (its lifeline failed)
+        self._client_lost: set[tuple[int, int]] = set()  # (slice, incarnation) whose slice the client saw fail
+        self._closed = False
+        self._events: list[dict[str, Any]] = []
+        self._cond: asyncio.Condition | None = None
+        self._monitor: asyncio.Task | None = None
+        self._watches: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+        self._log = get_logger("elastic.supervision.supervisor", job=job)
+        self._resume = False
+        self._client_seen = time.monotonic()  # the client's lease: its watcher long-polls wait_for_epoch
+        self._client_waiting = 0
+        self._replay()
+
+    # -- durable log ---------------------------------------------------------------------------
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._closed:  # the job is closing: nothing may write the stream again
+            return
+        kind = record.pop("kind")
+        self._events.append(self._stream.append(kind, **{"epoch": self._view.epoch, **record}))
+
+    def _replay(self) -> None:
+        """Rebuild the view, the health history and the refused incarnations after a restart (on any node)
+        from this run's event stream; the slices healthy in it count as healthy until their agents fail to
+        re-register within a heartbeat timeout."""
+        self._events = self._stream.mine()
+        if not self._events:
+            return
+        wall, now = time.time(), time.monotonic()
+        for e in self._events:
+            if e["kind"] == "view":
+                self._view = View(epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"],
+                                  reason=e["reason"])
+            elif e["kind"] == "health":
+                s, incarnation = e["slice"], e.get("incarnation")
+                at = now - max(0.0, wall - e["wall"])  # the event's wall time, on this process's monotonic clock
+                self._tally.add(HealthEvent(time=at, slice=s, healthy=e["healthy"], cause=e["cause"]))
+                if incarnation is not None:
+                    self._newest[s] = max(self._newest.get(s, incarnation), incarnation)
+                    if e["cause"].startswith(_CLIENT_REPORT):
+                        self._client_lost.add((s, incarnation))
+            elif e["kind"] == "refused":
+                self._revoked.add((e["slice"], e["incarnation"]))
+                if e["cause"] == _AGENT_DIED:
+                    self._died.add((e["slice"], e["incarnation"]))
+        for s in self._tally.healthy:
+            self._beats[s] = now
+            self._incarnations[s] = None  # unknown until the agent registers again
+        self._resume = self._view.epoch > 0
+        self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active),
+                          quarantined=sorted(self._tally.quarantined), refused=len(self._revoked))
+
+    # -- observations --------------------------------------------------------------------------
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _observe(self, slice_index: int, healthy: bool, cause: str, *, incarnation: int | None = None) -> None:
+        """Fold a change of health into the tally and the log (``incarnation``: the agent it is about)."""
+        if self._tally.knows(slice_index) and self._tally.is_healthy(slice_index) == healthy:
+            return
+        self._tally.add(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
+        self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause,
+                      "incarnation": incarnation})
+        self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch,
+                       incarnation=incarnation)
+
+    async def register(self, slice_index: int, incarnation: int, agent: Any) -> View:
+        """An agent (new, restarted or replacing a lost one) reports its slice healthy.
+
+        An agent that died, or whose slice the client saw fail, stays out: only a new incarnation brings its
+        slice back. One that was only silent comes back through ``decide``.
+        """
+        return await self.register_slices([(slice_index, incarnation)], agent)
+
+    async def register_slices(self, slices: list[tuple[int, int]], agent: Any) -> View:
+        """``register`` for every ``(slice, incarnation)`` an agent holds, in one call: one lifeline
+        watches them all, so the agent's death loses each of them."""
+        self._ensure_monitor()
+        now = time.monotonic()
+        fresh = [(s, incarnation) for s, incarnation in slices if self._admits(s, incarnation)]
+        for s, incarnation in fresh:
+            self._newest[s] = incarnation
+            self._incarnations[s] = incarnation
+            self._beats[s] = now
+            self._observe(s, True, f"agent registered (incarnation {incarnation})", incarnation=incarnation)
+        unwatched = [pair for pair in fresh if pair not in self._watched]
+        if unwatched:  # an agent back from a lapse is watched already
+            self._watched.update(unwatched)
+            watch = asyncio.get_running_loop().create_task(self._watch(unwatched, agent))
+            self._watches.add(watch)
+            watch.add_done_callback(self._watches.discard)
+        if fresh:
+            await self._evaluate()
+        return self._view
+
+    def _refuse(self, slice_index: int, incarnation: int, cause: str) -> None:
+        """This agent of the slice never counts as healthy again (logged, so a restart remembers it)."""
+        if (slice_index, incarnation) not in self._revoked:
+            self._revoked.add((slice_index, incarnation))
+            self._append({"kind": "refused", "slice": slice_index, "incarnation": incarnation, "cause": cause})
+
+    def _admits(self, slice_index: int, incarnation: int) -> bool:
+        """Not closed, not refused, and not older than the slice's newest agent."""
+        return (not self._closed and (slice_index, incarnation) not in self._revoked
+                and incarnation >= self._newest.get(slice_index, incarnation))
+
+    async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
+        """False tells the agent to register again (this supervisor does not know it)."""
+        return not await self.heartbeats([(slice_index, incarnation)])
+
+    async def heartbeats(self, beats: list[tuple[int, int]]) -> list[int]:
+        """Heartbeats of many ``(slice, incarnation)`` pairs in one call, from an agent holding them all.
+
+        Returns the slices this supervisor does not know as such (empty when all is well): their agent
+        must register them again.
+        """
+        if self._closed:
+            return []
+        self._ensure_monitor()
+        now = time.monotonic()
+        unknown = []
+        for s, incarnation in beats:
+            if self._incarnations.get(s) == incarnation:
+                self._beats[s] = now
+            else:
+                unknown.append(s)
+        return unknown
+
+    def _authorize(self, token: str | None, command: str) -> None:
+        """``SupervisorError`` unless ``token`` is this job's secret (a command from another job's client, or
+        from an operator without the job's token, is refused and written to the stream)."""
+        if self._token is not None and token != self._token:
+            self._append({"kind": "refused_command", "command": command})
+            self._log.warning("command_refused", command=command)
+            raise SupervisorError(f"{command} refused: it does not carry job {self._job!r}'s token (commands are "
+                                  "accepted only from the job's own client, or an operator holding its token)")
+
+    async def report_lost(self, slices: list[int], cause: str, token: str | None = None) -> View:
+        """A client saw these slices fail (e.g. its computation raised a slice-loss error): their agents are
+        refused from now on, even if they still beat."""
+        self._authorize(token, "report_lost")
+        for s in slices:
+            self._incarnations.pop(s, None)
+            incarnation = self._newest.get(s)
+            if incarnation is not None:
+                self._refuse(s, incarnation, "its slice failed in the client")
+                self._client_lost.add((s, incarnation))
+            self._observe(s, False, f"{_CLIENT_REPORT}{cause}", incarnation=incarnation)
+        await self._evaluate()
+        return self._view
+
+    async def _watch(self, slices: list[tuple[int, int]], agent: Any) -> None:
+        """Notice the agent's death at once: its lifeline call fails when the actor dies."""
+        try:
+            await agent.lifeline.remote()
+        except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
+            self._watched.difference_update(slices)
+            lost = [(s, incarnation) for s, incarnation in slices if self._incarnations.get(s) == incarnation]
+            for s, incarnation in slices:  # a dead agent never comes back (not even a late registration of it)
+                self._refuse(s, incarnation, _AGENT_DIED)
+                self._died.add((s, incarnation))
+            for s, incarnation in lost:
+                del self._incarnations[s]
+                self._observe(s, False, f"agent died: {type(err).__name__}", incarnation=incarnation)
+            if lost:
+                await self._evaluate()
+
+    # -- decisions -----------------------------------------------------------------------------
+    async def start(self) -> View:
+        """Begin judging health (call once every initial agent has registered)."""
+        self._resume = True
+        self._ensure_monitor()
+        await self._evaluate()
+        return self._view
+
+    def _ensure_monitor(self) -> None:
+        """Judging runs once started; a supervisor rebuilt after a restart resumes it on its first call."""
+        if self._monitor is None and self._resume and not self._closed:
+            self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
+
+    async def _run_monitor(self) -> None:
+        while True:
+            now = time.monotonic()
+            for s, seen in list(self._beats.items()):
+                if s in self._incarnations and now - seen > self._heartbeat_timeout_s:
+                    # Dropped, not refused: an agent that beats again re-registers and rejoins through decide.
+                    incarnation = self._incarnations.pop(s)
+                    self._observe(s, False, f"no heartbeat for {now - seen:.1f}s", incarnation=incarnation)
+            await self._evaluate()
+            await asyncio.sleep(self._tick_s)
+
+    async def _evaluate(self) -> None:
+        if self._monitor is None or self._closed:
+            return
+        decision = decide(self._view, self._tally, time.monotonic(), self._policy)
+        if isinstance(decision, (Stay, Wait)):
+            if isinstance(decision, Wait) and (not self._events or self._events[-1].get("reason") != decision.reason):
+                self._append({"kind": "wait", "reason": decision.reason})
+            return
+        if isinstance(decision, (Shrink, Grow)):
+            view = View(epoch=self._view.epoch + 1, active=decision.to, reason=decision.reason)
+        else:
+            assert isinstance(decision, GiveUp)
+            view = View(epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason,
+                        reason=decision.reason)
+        self._view = view
+        self._append({"kind": "view", "decision": type(decision).__name__, **asdict(view),
+                      "active": sorted(view.active)})
+        self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)
+        async with self._condition():
+            self._condition().notify_all()
+
+    async def close(self, token: str | None = None) -> None:
+        """End supervision for good (the job is closing): stop judging and writing events, so that agents
+        killed after this leave no trace in the stream. Call before killing the agents and this actor."""
+        self._authorize(token, "close")
+        if not self._closed:
+            self._append({"kind": "closed"})
+        self._closed = True
+        for task in [self._monitor, *self._watches]:
+            if task is not None:
+                task.cancel()
+        self._log.info("supervisor_closed", epoch=self._view.epoch)
+
+    async def inject(self, kind: str, slice_index: int, token: str | None = None) -> dict[str, Any]:
+        """An operator's fault (``elastic inject``): ``kill`` kills the slice's agent actor (as its host dying
+        would: the slice is dropped at once), ``silence`` stops its heartbeats (a hung host: dropped after
+        ``heartbeat_timeout_s``). Written to the stream; returns what was done."""
+        self._authorize(token, f"inject {kind}")
+        if kind not in ("kill", "silence"):
+            raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill or silence")
+        incarnation = self._newest.get(slice_index)
+        if incarnation is None or (slice_index, incarnation) in self._revoked:
+            raise SupervisorError(f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})")
+        name = f"agent-{slice_index}-{incarnation}"
+        agent = ray.get_actor(name, namespace=f"elastic-{self._job}")
+        self._append({"kind": "inject", "fault": kind, "slice": slice_index, "incarnation": incarnation})
+        if kind == "kill":
+            ray.kill(agent, no_restart=True)
+        else:
+            agent.silence.remote()
+        return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
+
+    async def run_id(self) -> str:
+        """The run this supervisor writes events for (a client taking the job over writes to it too)."""
+        return self._run
+
+    # -- queries -------------------------------------------------------------------------------
+    async def view(self) -> View:
+        return self._view
+
+    async def respawnable(self) -> dict[int, int]:
+        """The slices a new agent may bring back, each with the incarnation of its newest agent, which died:
+        no agent holds the slice now, and it is neither quarantined nor seen failing by the client (its
+        hardware is then suspect, and only a revive brings it back). A silent agent's slice is not listed: it
+        may beat again. Empty once closed or given up."""
+        if self._closed or self._view.gave_up is not None:
+            return {}
+        return {s: incarnation for s, incarnation in self._newest.items()
+                if (s, incarnation) in self._died and (s, incarnation) not in self._client_lost
+                and s not in self._incarnations and s not in self._tally.quarantined}
+
+    async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
+        """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
+        self._ensure_monitor()
+        self._client_waiting += 1
+        self._client_seen = time.monotonic()
+        cond = self._condition()
+        try:
+            async with cond:
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: self._view.epoch > after), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._client_waiting -= 1
+            self._client_seen = time.monotonic()
+        return self._view
+
+    async def client_idle_s(self) -> float:
+        """Seconds since the client last waited on this supervisor (0 while it waits): a live client's
+        watcher is always waiting or about to, so a long idle time means the client is gone."""
+        return 0.0 if self._client_waiting else time.monotonic() - self._client_seen
+
+    async def events(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+    async def usage(self) -> dict[str, Any]:
+        """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
+        it watches (for benchmarks and status reports)."""
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
+                "slices": len(self._incarnations)}
