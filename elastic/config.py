@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.errors import ConfigError
 from elastic.supervision.policy import Policy
 from elastic.validate import count as _count, instance as _instance, positive as _positive
 
-__all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Tiers", "check_batch_splits"]
+__all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Processes", "Tiers", "check_batch_splits"]
 
 FIRST_STEP_FACTOR = 3  # the first step of each pass (a new mesh) waits this many step_timeout_s
 
@@ -50,6 +50,60 @@ class Tiers:
                               f"got {self.persistent_dir!r}")
 
 
+
+@dataclass(frozen=True, kw_only=True)
+class Processes:
+    """Multi-process mode: each slice is a worker process (a Ray actor on the slice's host), joined with the
+    others by ``jax.distributed``; the user's loop runs SPMD in every worker. Pass it as
+    ``ElasticConfig(processes=Processes(...))``; without it, one process drives every slice (single-process
+    mode, as with Pathways).
+
+    ``collective_timeout_s``: a collective whose peer died raises after this (gloo on CPU) instead of hanging.
+    ``rendezvous_timeout_s``: a group whose members do not all join within about twice this fails (bounded).
+    ``settle_timeout_s``: after a failure, a member still inside the pass past this is hung: killed, replaced.
+    ``resources_per_worker``: what one worker needs of a node (``{"GPU": 8}``, or a custom host resource such
+    as ``{"trainer_host": 1}``); Ray places each worker where that is free. Empty: anywhere.
+    ``replace_lost``: start a new process for a slice whose worker died (not when its node died), which joins
+    at a step boundary once up. ``node_store``: workers also keep their host snapshots in files on their node
+    (tmpfs) that outlive the process, so a replacement on that node takes them over. ``standby``: compile the
+    step for the group one slice smaller in the background (a short-lived group of helper processes writing
+    JAX's persistent compilation cache), so the first step after a loss does not compile.
+    """
+
+    collective_timeout_s: int = 5
+    rendezvous_timeout_s: int = 5
+    settle_timeout_s: float = 15.0
+    resources_per_worker: Mapping[str, float] = field(default_factory=dict)
+    replace_lost: bool = True
+    node_store: bool = False
+    standby: bool = True
+
+    def __post_init__(self) -> None:
+        _count("processes.collective_timeout_s", self.collective_timeout_s)
+        _count("processes.rendezvous_timeout_s", self.rendezvous_timeout_s)
+        _positive("processes.settle_timeout_s", self.settle_timeout_s)
+        for name in ("replace_lost", "node_store", "standby"):
+            _instance(f"processes.{name}", getattr(self, name), bool)
+        if not isinstance(self.resources_per_worker, Mapping):
+            raise ConfigError(f"processes.resources_per_worker must map resource names to amounts, got "
+                              f"{self.resources_per_worker!r}")
+        for key, amount in self.resources_per_worker.items():
+            if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                    or not 0 <= amount < math.inf:
+                raise ConfigError(f"processes.resources_per_worker maps resource names to amounts >= 0, got "
+                                  f"{key!r}: {amount!r}")
+
+    def worker_options(self) -> dict[str, object]:
+        """The Ray actor options that place one worker (``num_cpus``/``num_gpus`` from ``CPU``/``GPU``)."""
+        resources = dict(self.resources_per_worker)
+        options: dict[str, object] = {"num_cpus": resources.pop("CPU", 0)}
+        if "GPU" in resources:
+            options["num_gpus"] = resources.pop("GPU")
+        if resources:
+            options["resources"] = resources
+        return options
+
+
 @dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
     """One elastic job.
@@ -67,6 +121,9 @@ class ElasticConfig:
     that makes no progress for longer is hung, and the job recovers from it as from a lost slice. The first
     step of each pass (a new mesh: program load, collective set-up) and the state's restore wait
     ``FIRST_STEP_FACTOR`` times as long. Set it to several times your slowest step; None turns it off.
+
+    ``processes``: run each slice as a worker process (:class:`Processes`); None (the default): one process
+    drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices.
     """
 
     job_name: str = "elastic"
@@ -86,6 +143,7 @@ class ElasticConfig:
     max_transient_retries: int = 3
     step_timeout_s: float | None = 300.0
     global_batch_size: int | None = None
+    processes: Processes | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_name, str) or not self.job_name \
@@ -117,6 +175,13 @@ class ElasticConfig:
                 raise ConfigError(f"{err}; or None to turn the step watchdog off") from err
         if self.global_batch_size is not None:
             _count("global_batch_size", self.global_batch_size, what="an integer of at least 1, or None")
+        if self.processes is not None:
+            _instance("processes", self.processes, Processes)
+
+    @property
+    def mode(self) -> str:
+        """``"multi-process"`` (a worker process per slice) or ``"single-process"`` (one process drives all)."""
+        return "single-process" if self.processes is None else "multi-process"
 
     @property
     def namespace(self) -> str:

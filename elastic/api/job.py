@@ -23,6 +23,7 @@ from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup, connect
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.control.controller import Controller, JobResult, StepCallback
+from elastic.placements.local import LocalPlacement
 from elastic.errors import ConfigError, ElasticError
 from elastic.log import configure_logging, get_logger
 from elastic.supervision import events
@@ -281,12 +282,16 @@ class ElasticJob:
         hooks = []
         if self._faults is not None and len(self._faults):
             hooks.append(self._faults.injector(self))
-        self.controller = controller = Controller(config=self.config, topology=self.topology, mesh_fn=self._mesh_fn,
-                                shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
-                                watcher=self._watcher, group=self.group, accounting=self._acct,
-                                before_step=hooks, on_step=self._on_step, during_prepare=self.during_prepare,
-                                initial_state=self._initial_state)
-        result = controller.run(loop)
+        placement = LocalPlacement(self.config, topology=self.topology, mesh_fn=self._mesh_fn,
+                                   shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
+                                   initial_state=self._initial_state)
+        self.controller = controller = Controller(config=self.config, placement=placement, watcher=self._watcher,
+                                                  group=self.group, accounting=self._acct, before_step=hooks,
+                                                  on_step=self._on_step, during_prepare=self.during_prepare)
+        try:
+            result = controller.run(loop)
+        finally:
+            placement.close()
         if self._save_final_to is not None:
             orbax_io.save_final(self._save_final_to, result.state)
             self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))

@@ -66,14 +66,16 @@ class Accounting:
         self.timeline.add("failure", error=cause.splitlines()[0][:160])
 
     def restored(self, meta: dict[str, Any], *, step: int, tier: str, generation: int, view: View,
-                 waited_s: float = 0.0, source: str = "copies", shards_kept: int = 0) -> None:
+                 waited_s: float = 0.0, source: str = "copies", shards_kept: int = 0,
+                 detail: dict[str, Any] | None = None) -> None:
         self.ledger.rollback(meta["ledger"])
         self.pids = set(meta["pids"])
         self.report.restores.append({"step": step, "tier": tier, "generation": generation, "source": source})
         if self.report.resumed_from_tier is None and os.getpid() not in self.pids:
             self.report.resumed_from_tier = tier  # a new client picking up a crashed one's job
         self.timeline.add("restored", step=step, tier=tier, generation=generation, slices=len(view.active),
-                          epoch=view.epoch, waited_for_snapshot_s=waited_s, source=source, shards_kept=shards_kept)
+                          epoch=view.epoch, waited_for_snapshot_s=waited_s, source=source, shards_kept=shards_kept,
+                          **(detail or {}))
 
     def fresh_start(self) -> None:
         """Nothing saved anywhere: commits so far (if any) will be redone from step 0."""

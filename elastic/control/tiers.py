@@ -12,7 +12,6 @@ A restore tries them in that order and says which one it used.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,20 +24,9 @@ from elastic.control.report import Report
 from snapshot import (NoSnapshotError, Restored, SnapshotConfig, SnapshotCorruptError, SnapshotFailedError,
                       SnapshotInfo, Snapshotter, SnapshotUnavailableError, restore_image)
 
-__all__ = ["SnapshotPolicy", "TierSet"]
+__all__ = ["TierSet"]
 
 WAIT_S = 120.0  # bound on waiting for an in-flight snapshot or a keeper answer
-
-
-@dataclass(frozen=True, kw_only=True)
-class SnapshotPolicy:
-    """When the controller asks for a snapshot: every ``every`` steps and after the last one."""
-
-    every: int
-    num_steps: int
-
-    def due(self, next_step: int) -> bool:
-        return next_step % self.every == 0 or next_step == self.num_steps
 
 
 class TierSet:

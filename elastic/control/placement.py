@@ -1,0 +1,106 @@
+"""The one seam between the controller and where a slice's devices live.
+
+The controller (:mod:`elastic.control.controller`) runs the same state machine, decisions, accounting, event
+stream and report in both modes. What differs sits behind :class:`Placement`:
+
+* :class:`elastic.placements.local.LocalPlacement`: every slice's devices are in this process (single-process
+  mode, as with Pathways; simulated slices on CPU in tests);
+* :class:`elastic.placements.processes.ProcessPlacement`: each slice is a worker process on its host, joined
+  by ``jax.distributed``; the user's loop runs SPMD in every worker.
+
+A placement forms the mesh (or the group) over a view, puts the state on it (moved, restored from a tier, or
+initialised), runs one pass of the user's loop, probes slices after a failure, and hands back the final state.
+Everything it learns that the controller accounts for comes back as data (:class:`Placed`, :class:`PassEnd`)
+or through the :class:`PlacementHost` the controller gives it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from elastic.supervision.membership import View
+
+__all__ = ["PassEnd", "Placed", "Placement", "PlacementHost", "PrepareHook"]
+
+PrepareHook = Callable[[str, int, View], None]  # (phase: "restore" | "reshard" | "grow", step, view)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placed:
+    """The state is in place over a view, and how it got there.
+
+    ``how``: ``"moved"`` (the live state moved at a step boundary), ``"restored"`` (from a snapshot tier) or
+    ``"fresh"`` (initialised: nothing was saved anywhere). A restore names its ``tier``, ``generation``,
+    ``source`` (``copies`` or ``staged``), the device shards it kept in place, how long it waited for a snapshot
+    in flight, and the snapshot's ``meta`` (the ledger as runs, the loop's extras, the clients' pids).
+    """
+
+    how: Literal["moved", "restored", "fresh"]
+    step: int
+    tier: str | None = None
+    generation: int = 0
+    source: str = "copies"
+    shards_kept: int = 0
+    waited_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)  # mode-specific figures, added to the timeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassEnd:
+    """A pass that ended without an error: the loop returned (``regroup`` None), or it stopped at a step
+    boundary because the view changed (``regroup``: the new view; ``live``: the state at the boundary was
+    kept, so it moves instead of being restored)."""
+
+    regroup: View | None = None
+    live: bool = False
+    value: Any = None  # what the loop returned
+
+
+class PlacementHost(Protocol):
+    """What a placement may ask of the controller: the job's accounting and its per-step hooks."""
+
+    def on_commit(self, step: int, batch: int, metrics: dict[str, Any], view: View, run: Any) -> None:
+        """A step was committed (once per step, in order, in the process that drives the job)."""
+
+    def before_step(self, step: int) -> None:
+        """A step is about to start (fault injection, the stall reporter)."""
+
+    def snapshot_meta(self, extras: dict[str, Any]) -> dict[str, Any]:
+        """The controller's state for a snapshot taken now: the ledger as runs, ``extras``, the clients' pids."""
+
+    @property
+    def view(self) -> View:
+        """The newest membership view (no remote call)."""
+
+
+class Placement(Protocol):
+    def standby_ready(self, view: View) -> bool | None:
+        """Whether the step is compiled ahead for ``view``'s mesh (None: nothing was recorded to compile)."""
+
+    def prepare(self, view: View, *, live: bool, during: PrepareHook) -> Placed:
+        """Put the state on a mesh over ``view``: moved (``live``, at a step boundary), restored, or fresh.
+        ``during`` runs inside a move or restore, its transfers dispatched and not yet landed (chaos)."""
+
+    def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
+        """One pass of ``loop`` over the prepared state; raises what broke it (a slice-loss error, a hung step,
+        or the loop's own error)."""
+
+    def drop(self) -> None:
+        """Forget the live state (after a failure it may sit on lost devices): the next prepare restores."""
+
+    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
+        """Which of ``slices`` do not answer within ``timeout_s`` (dead)."""
+
+    def final_state(self) -> Any:
+        """The state after the last committed step."""
+
+    def fill(self, report: Any) -> None:
+        """Add the placement's figures (snapshot tiers, standby compiles, mode-specific counts) to ``report``."""
+
+    def wait_for_standbys(self, timeout: float) -> bool:
+        """Until the standby compiles asked for so far are done (tests and benchmarks)."""
+
+    def close(self) -> None:
+        """Release what the placement holds (threads, processes)."""

@@ -1,0 +1,165 @@
+"""Single-process mode: every slice's devices are in this process (Pathways; simulated slices on CPU in tests).
+
+The mesh of a view is built over the healthy slices' devices; the state is moved there device to device at a
+step boundary, restored from the job's tiers (:class:`~elastic.control.tiers.TierSet`: the survivors' host
+copies, the keepers, Orbax) after a failure, or initialised. The loop runs here, each dispatch through the
+runtime's guard (a simulated slice's loss raises where a real one would). The step is compiled ahead for every
+mesh one slice loss away and for the grow-back mesh (:class:`runtime.StandbyCompiler`).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+import runtime
+from elastic.api.run import LiveState, Regroup, Run
+from elastic.config import ElasticConfig
+from elastic.control.pass_host import PassHost
+from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
+from elastic.control.tiers import TierSet
+from elastic.supervision.membership import View
+
+__all__ = ["LocalPlacement"]
+
+
+class LocalPlacement:
+    def __init__(self, config: ElasticConfig, *, topology: runtime.Topology, mesh_fn: runtime.MeshFn | None,
+                 shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
+                 initial_state: Callable[[Any], Any] | None = None) -> None:
+        self.config = config
+        self._topology = topology
+        self._mesh_fn = mesh_fn
+        self._shardings = shardings
+        self._init_fn = init_fn
+        self._tiers = tiers
+        self._initial_state = initial_state  # shardings -> the state at step 0 (None: init_fn's)
+        self._live: LiveState | None = None
+        self._prepared: tuple[View, Mesh, Any, int, dict[str, Any]] | None = None  # a pass's view, mesh, state...
+        self._state: Any = None  # the newest state of the last pass (its final state at the end)
+        self._active = 0  # how many slices the state was last placed on (a move onto more is a grow)
+        self._fresh = False  # the prepared state is initialised: snapshot it as step 0 before the loop runs
+        self._soon = False  # restored: snapshot again at the first commit
+        self._prepared_for: int | None = None  # the epoch standbys were last prepared for
+        self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
+        self._standby.warm(lambda: runtime.warm_probes(topology.slices))
+
+    def _mesh(self, view: View) -> Mesh:
+        return runtime.build_mesh(self._topology.select(view.active), self._mesh_fn)
+
+    @property
+    def _wait_s(self) -> float | None:
+        """The bound on moving, restoring or initialising the state (as long as a pass's first step)."""
+        return self.config.step_wait_s(first=True)
+
+    # -- the seam -------------------------------------------------------------------------------
+    def standby_ready(self, view: View) -> bool | None:
+        return self._standby.ready(self._mesh(view))
+
+    def prepare(self, view: View, *, live: bool, during: PrepareHook) -> Placed:
+        mesh = self._mesh(view)
+        shardings = self._shardings(mesh)
+        devices = tuple(mesh.devices.flat)
+        moving, self._live = self._live, None
+        before, self._active = self._active, len(view.active)
+        self._prepared = self._state = None
+        self._fresh = self._soon = False
+        if live and moving is not None:
+            moved = runtime.guarded(runtime.reshard, devices)(moving.state, shardings)
+            during("grow" if len(view.active) > before else "reshard", moving.next_step, view)
+            state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
+            self._prepared = (view, mesh, state, moving.next_step, moving.extras)
+            return Placed(how="moved", step=moving.next_step)
+        restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
+        if restored is None:
+            if self._initial_state is not None:
+                state = runtime.guarded(self._initial_state, devices)(shardings)
+            else:
+                init = runtime.guarded(jax.jit(self._init_fn, out_shardings=shardings), devices)
+                state = init(jax.random.key(self.config.seed))
+            state = runtime.wait_ready(state, devices, timeout_s=self._wait_s, what="the initial state")
+            self._fresh = True
+            self._prepared = (view, mesh, state, 0, {})
+            return Placed(how="fresh", step=0)
+        during("restore", restored.step, view)
+        state = runtime.wait_ready(restored.state, devices, timeout_s=self._wait_s,  # the copies have landed
+                                   what=f"the restore of step {restored.step}")
+        # The restored generation lost its copies on the dead slices: snapshot again at the first commit
+        # (after the first step, off its path), so every piece regains its copies on the survivors.
+        self._soon = True
+        self._prepared = (view, mesh, state, restored.step, copy.deepcopy(restored.meta["extras"]))
+        return Placed(how="restored", step=restored.step, tier=restored.tier, generation=restored.generation,
+                      source=restored.source, shards_kept=restored.shards_kept, meta=restored.meta,
+                      waited_s=round(self._tiers.last_wait_seconds, 3))
+
+    def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
+        assert self._prepared is not None, "run_pass before prepare"
+        view, mesh, state, start, extras = self._prepared
+        self._prepared = None
+        epoch = view.epoch
+
+        def save(next_step: int, state: Any, extras: dict[str, Any]) -> None:
+            self._tiers.save(next_step, state, host.snapshot_meta(copy.deepcopy(extras)))
+
+        def on_commit(run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None:
+            host.on_commit(step, batch, metrics, run.view, run)
+            if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
+                self._prepared_for = run.epoch
+                self._standby.prepare(self._next_meshes(run.view))
+
+        def changed(next_step: int) -> View | None:
+            now = host.view
+            return None if now.epoch == epoch else now
+
+        pass_host = PassHost(self.config, save=save, changed=changed, on_commit=on_commit, before=host.before_step,
+                             record=self._standby.record, snapshot_soon=self._soon)
+        run = Run(pass_host, view=view, mesh=mesh, state=state, start_step=start, extras=extras)
+        if self._fresh:
+            self._fresh = False
+            pass_host.save(0, run.state, {})
+        try:
+            value = loop(run)
+        except Regroup as regroup:
+            self._live = regroup.live
+            return PassEnd(regroup=regroup.view, live=regroup.live is not None)
+        finally:
+            self._state = run.state
+        return PassEnd(value=value)
+
+    def drop(self) -> None:
+        # Whatever was live may sit on lost devices (or be a hung step's results): restore from a snapshot.
+        # Dropped now, so that the restore reuses its memory instead of allocating it twice.
+        self._live = self._prepared = self._state = None
+
+    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
+        """Which slices do not answer a tiny computation within ``timeout_s`` (one that does not is dead)."""
+        return frozenset(runtime.probe_slices(self._topology.select(slices), timeout_s=timeout_s))
+
+    def final_state(self) -> Any:
+        return self._state
+
+    def fill(self, report: Any) -> None:
+        self._tiers.fill(report)
+        stats = self._standby.stats
+        report.standby_compiles, report.standby_skipped = stats.compiled, stats.skipped
+        report.standby_compile_seconds = round(stats.seconds, 3)
+
+    def wait_for_standbys(self, timeout: float) -> bool:
+        return self._standby.wait(timeout)
+
+    def close(self) -> None:
+        self._standby.close()
+        runtime.hangs.release_all()  # no simulated hang outlives the job (no thread stays blocked)
+
+    def _next_meshes(self, view: View) -> list[Mesh]:
+        """Every mesh one slice loss away (while at least ``min_slices`` remain), then the grow-back mesh."""
+        active = sorted(view.active)
+        sets = [frozenset(active) - {s} for s in active if len(active) - 1 >= self.config.policy.min_slices]
+        everything = frozenset(self._topology.indices)
+        if everything != view.active:
+            sets.append(everything)
+        return [runtime.build_mesh(self._topology.select(s), self._mesh_fn) for s in sets]
+
