@@ -35,15 +35,19 @@ def _stdout_for_result() -> TextIO:
 
 _DEMO_DEFAULTS = {"slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
                   "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5}}
+_MULTI = ("multi-process", "multi-process-driver-crash")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    for name, value in _DEMO_DEFAULTS["multi-process" if args.scenario == "multi-process" else "slice-loss"].items():
+    multi = args.scenario in _MULTI
+    for name, value in _DEMO_DEFAULTS["multi-process" if multi else "slice-loss"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.kill_client_at is None:
+        args.kill_client_at = 21 if multi else 75
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.scenario == "multi-process" and not args.verbose:  # each group's coordination service warns that
+    if multi and not args.verbose:  # each group's coordination service warns that
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
     _force_cpu_devices(args.slices * args.devices_per_slice)
     from elastic.control.cluster import connect
@@ -61,13 +65,19 @@ def _demo(args: argparse.Namespace) -> int:
                     kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
                     snapshot_every=args.snapshot_every)
     connect()
-    if args.scenario == "multi-process":
-        from elastic.demos.processes import McDemoSpec, run_mc_demo
+    if multi:
+        from elastic.demos.processes import ProcessDemoSpec, run_process_demo
 
-        out = run_mc_demo(McDemoSpec(steps=spec.steps, num_slices=spec.num_slices,
-                                     devices_per_slice=spec.devices_per_slice, kill_slice=spec.kill_slice,
-                                     kill_at=spec.kill_at, revive_at=spec.revive_at,
-                                     snapshot_every=spec.snapshot_every), verify=args.verify)
+        mp = ProcessDemoSpec(steps=spec.steps, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
+                             kill_slice=spec.kill_slice, kill_at=spec.kill_at, revive_at=spec.revive_at,
+                             snapshot_every=spec.snapshot_every)
+        if args.scenario == "multi-process":
+            out = run_process_demo(mp, verify=args.verify)
+        else:
+            from elastic.demos.crash import run_client_crash
+
+            out = run_client_crash(mp, kill_at=args.kill_client_at, verify=args.verify,
+                                   progress=not args.no_progress)
     elif args.scenario == "client-crash":
         from elastic.demos.crash import run_client_crash
 
@@ -154,12 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
-    demo.add_argument("--scenario", choices=("slice-loss", "client-crash", "multi-process"), default="slice-loss",
+    demo.add_argument("--scenario", choices=("slice-loss", "client-crash", *_MULTI), default="slice-loss",
                       help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
                            "and a new client resumes from the keeper tier; multi-process: one worker process per "
                            "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
-                           "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5)")
-    demo.add_argument("--kill-client-at", type=int, default=75, help="client-crash: the step the client dies at")
+                           "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
+                           "multi-process-driver-crash: the multi-process job's driver is SIGKILLed mid-run and a new "
+                           "driver of the same job name resumes from the keepers")
+    demo.add_argument("--kill-client-at", type=int, default=None,
+                      help="client-crash: the step the client dies at (default 75; multi-process: 21)")
     demo.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
     demo.add_argument("--steps", type=int, default=None, help="default 150 (multi-process: see --scenario)")

@@ -99,10 +99,16 @@ def joined() -> bool:
 
 
 def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60,
-         heartbeat_timeout_s: int = 30) -> None:
+         heartbeat_timeout_s: int = 10) -> None:
     """Connect this process to the group served at ``address`` as ``process_id`` of ``num_processes``.
 
-    Must run before this process's backend starts (or after :func:`leave`). Raises if already joined."""
+    Must run before this process's backend starts (or after :func:`leave`). Raises if already joined.
+
+    Once joined, the process lives and dies with the group's service: when the service is gone for
+    ``heartbeat_timeout_s`` (its host, the job's driver, died), jax aborts this process. That is what a worker
+    should do when its driver is gone; a driver stops a service only once every member has left it. (jax reports
+    such an error through a callback that cannot be given a Python function here: the status it passes has no
+    Python conversion, so a Python callback aborts the process too; measured with jax 0.10.2.)"""
     from jax._src.lib import _jax
 
     state = _state()
@@ -111,24 +117,14 @@ def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} not in 0..{num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # jax's default callback for a broken group (a failed rendezvous, a lost service) aborts the process; here
-    # the error is recorded and the call that hit it raises instead, so the worker survives to re-form.
     client = _jax.get_distributed_runtime_client(address, process_id, init_timeout=timeout_s,
-                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s,
-                                                 missed_heartbeat_callback=_record_group_error)
+                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s)
     client.connect()
     state.coordinator_address = address
     state.process_id = process_id
     state.num_processes = num_processes
     state.partition_index = None
     state.client = client
-
-
-GROUP_ERRORS: list[str] = []  # what jax's distributed client reported about broken groups, newest last
-
-
-def _record_group_error(*status: object) -> None:
-    GROUP_ERRORS[:] = (GROUP_ERRORS + [" ".join(str(s) for s in status)])[-20:]
 
 
 def leave() -> float:
@@ -159,7 +155,22 @@ def reform(address: str, num_processes: int, process_id: int, *, timeout_s: int 
         leave()
     join(address, num_processes, process_id, timeout_s=timeout_s)
     jax.devices()  # the backend starts here: its rendezvous waits for the whole group
+    _write_own_cache_entries()
     return time.monotonic() - start
+
+
+def _write_own_cache_entries() -> None:
+    """On CPU, let every process of the group write JAX's persistent compilation cache, not process 0 only.
+
+    JAX writes the cache from process 0 alone, assuming every process computes the same key. On CPU the key
+    differs by process (the compile options and the topology fingerprint carry the process index; measured with
+    jax 0.10.2), so processes 1..n-1 would never find an entry and compile every time, standby compiles
+    included. Each process writes its own key (no contention), once its backend exists (the process id named the
+    backend's node; nothing else of jax's reads it afterwards but the cache writer). On GPU the keys are shared
+    (jax strips the device assignment there), so process 0's entry serves every process, as jax intends.
+    """
+    if jax.default_backend() == "cpu":
+        _state().process_id = 0
 
 
 def is_peer_loss(err: BaseException) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-__all__ = ["Signature", "StandbyCompiler", "mesh_key"]
+__all__ = ["Signature", "StandbyCompiler", "mesh_key", "portable", "rebuild"]
 
 
 def mesh_key(mesh: Mesh) -> tuple[Any, ...]:
@@ -60,6 +60,26 @@ class Signature:
                 sharding.shard_shape(shape)  # ValueError when it does not divide
             leaves.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=weak))
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def portable(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """A ``jax.jit`` function as (the Python function it wraps, the jit options that shape its executable), to send
+    to another process and :func:`rebuild` there (a jitted function does not survive pickling whole). None when it
+    carries explicit shardings (they name a mesh of this process) or is not a ``jax.jit`` function."""
+    info = getattr(fn, "_jit_info", None)
+    wrapped = getattr(fn, "__wrapped__", None)
+    if info is None or wrapped is None or getattr(info, "user_specified_in_shardings", False):
+        return None
+    unspecified = all(type(s).__name__ == "UnspecifiedValue" for s in tuple(info.out_shardings_leaves or ()))
+    if not unspecified or info.backend is not None or info.device is not None:
+        return None
+    return wrapped, {"donate_argnums": tuple(info.donate_argnums), "static_argnums": tuple(info.static_argnums),
+                     "keep_unused": bool(info.keep_unused), "inline": bool(info.inline)}
+
+
+def rebuild(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """The ``jax.jit`` function :func:`portable` took apart."""
+    return jax.jit(fn, **options)
 
 
 @dataclass

@@ -137,10 +137,11 @@ def reachable(guard: Guard | None, device: Any) -> bool:
     return True
 
 
-def to_image(gen: Generation, engine: Engine, available: set[Any]) -> HostImage:
+def to_image(gen: Generation, engine: Engine, available: set[Any], *, copy: bool = True) -> HostImage:
     """A host copy of ``gen`` (one copy per piece, from ``available`` devices), to send to another tier.
     A non-array leaf travels in ``meta["_values"]``. Raises :class:`SnapshotUnavailableError` when a
-    piece has no copy on an available device."""
+    piece has no copy on an available device. ``copy=False``: each piece is a read-only view of the copy's
+    host bytes (the host engine's own buffers), not a copy."""
     leaves = []
     values = {}
     for i, rec in enumerate(gen.leaves):
@@ -153,7 +154,13 @@ def to_image(gen: Generation, engine: Engine, available: set[Any]) -> HostImage:
             c = next((c for c in p.copies if c.device in available), None)
             if c is None:
                 raise SnapshotUnavailableError(gen.step, i, tuple(sorted({c.slice for c in p.copies})))
-            pieces.append(Piece(index=p.index, data=np.array(engine.host_view(c), copy=True),
+            data = engine.host_view(c)
+            if copy:
+                data = np.array(data, copy=True)
+            else:
+                data = data.view()
+                data.flags.writeable = False
+            pieces.append(Piece(index=p.index, data=data,
                                 checksum=p.checksum if engine.name == "host" else checksum(engine.host_view(c))))
         leaves.append(LeafImage(shape=rec.shape, dtype=rec.dtype, key_impl=rec.key_impl, pieces=tuple(pieces)))
     meta = dict(gen.meta, _values=values)

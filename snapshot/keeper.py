@@ -18,8 +18,8 @@ import ray
 import structlog
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from snapshot.errors import SnapshotCorruptError
-from snapshot.image import HostImage
+from snapshot.errors import SnapshotCorruptError, SnapshotStructureError
+from snapshot.image import HostImage, Index, assemble
 
 __all__ = ["Keeper", "KeeperTier"]
 
@@ -54,6 +54,7 @@ class Keeper:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self._keep = keep
         self._images: list[HostImage] = []  # ascending step
+        self._parts: dict[int, dict[int, HostImage]] = {}  # step -> part -> image (multi-process mode)
         self._lock = threading.Lock()
 
     def put(self, image: HostImage) -> int:
@@ -66,6 +67,62 @@ class Keeper:
             if dropped:
                 log.info("keeper_rollback", step=own.step, dropped=dropped)
             return sum(g.nbytes for g in self._images)
+
+    def put_part(self, image: HostImage, part: int) -> int:
+        """Store a private copy of ``image`` as part ``part`` of its step (multi-process mode: each worker sends
+        the pieces it holds, and a step is whole once its parts cover every leaf). A part of a step below a held
+        one is a rollback: the steps after it are dropped. Steps older than the ``keep`` newest whole ones go.
+        Returns the bytes held afterwards."""
+        own = _private_copy(image)
+        with self._lock:
+            self._parts = {s: parts for s, parts in self._parts.items() if s <= own.step}
+            self._parts.setdefault(own.step, {})[part] = own
+            whole = [s for s in sorted(self._parts) if _covers(self._parts[s].values())]
+            if len(whole) > self._keep:
+                floor = whole[-self._keep]
+                self._parts = {s: parts for s, parts in self._parts.items() if s >= floor}
+            return self._held()
+
+    def whole_steps(self) -> list[int]:
+        """The steps whose parts cover every leaf of the state, ascending (intact parts only: a part that fails
+        ``verify()`` is dropped and logged)."""
+        with self._lock:
+            held = {s: dict(parts) for s, parts in self._parts.items()}
+        whole = []
+        for step, parts in sorted(held.items()):
+            for part, image in parts.items():
+                try:
+                    image.verify()
+                except SnapshotCorruptError as err:
+                    log.warning("keeper_part_corrupt", step=step, part=part, leaf=err.leaf)
+                    with self._lock:
+                        self._parts.get(step, {}).pop(part, None)
+            with self._lock:
+                if _covers(self._parts.get(step, {}).values()):
+                    whole.append(step)
+        return whole
+
+    def region(self, step: int, leaf: int, index: Index) -> np.ndarray | None:
+        """Region ``index`` of leaf ``leaf`` at ``step``, cut from the parts (None when they do not cover it)."""
+        with self._lock:
+            parts = list(self._parts.get(step, {}).values())
+        pieces = [(p.index, p.data) for image in parts for p in image.leaves[leaf].pieces]
+        if not pieces:
+            return None
+        try:
+            return np.array(assemble(index, pieces, parts[0].leaves[leaf].dtype), copy=True)
+        except SnapshotStructureError:
+            return None
+
+    def part_meta(self, step: int) -> dict[str, Any] | None:
+        """The controller state of ``step`` (from any of its parts), or None."""
+        with self._lock:
+            parts = list(self._parts.get(step, {}).values())
+        return copy.deepcopy(parts[0].meta) if parts else None
+
+    def _held(self) -> int:
+        return sum(g.nbytes for g in self._images) + sum(i.nbytes for parts in self._parts.values()
+                                                          for i in parts.values())
 
     def latest(self) -> HostImage | None:
         """The newest held image that passes ``verify()``; corrupt ones are dropped and logged."""
@@ -87,15 +144,29 @@ class Keeper:
 
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(g.nbytes for g in self._images)
+            return self._held()
 
     def drop(self) -> None:
         with self._lock:
             self._images = []
+            self._parts = {}
 
     def node_id(self) -> str:
         """The Ray node this keeper lives on."""
         return ray.get_runtime_context().get_node_id()
+
+
+def _covers(images: Any) -> bool:
+    """Whether the pieces of ``images`` (parts of one step) cover every leaf: their distinct regions tile it."""
+    images = list(images)
+    if not images:
+        return False
+    for i, leaf in enumerate(images[0].leaves):
+        regions = {p.index for image in images for p in image.leaves[i].pieces}
+        volume = sum(int(np.prod([hi - lo for lo, hi in r], dtype=np.int64)) for r in regions)
+        if volume != int(np.prod(leaf.shape, dtype=np.int64)):
+            return False
+    return True
 
 
 def _placements(n: int, avoid_node: str) -> list[str]:
@@ -174,6 +245,45 @@ class KeeperTier:
     def handles(self) -> dict[str, Any]:
         """The keepers believed alive, by name."""
         return dict(self._keepers)
+
+    def push_part(self, image: HostImage, part: int) -> None:
+        """Send ``image`` to every keeper as part ``part`` of its step (multi-process mode: the pieces one worker
+        holds), from the calling thread, bounded by ``timeout_s``; failures are counted, never raised."""
+        calls = dict(self._keepers)
+        if not calls:
+            self._count("keeper_push_failures")
+            return
+        ref = ray.put(image)
+        for name, result in self._collect({n: k.put_part.remote(ref, part) for n, k in calls.items()},
+                                          self._timeout_s).items():
+            if isinstance(result, Exception):
+                self._count("keeper_push_failures")
+                log.warning("keeper_push_failed", keeper=name, step=image.step, part=part, error=repr(result))
+        self._count("keeper_pushes")
+
+    def whole_steps(self, timeout: float = 60.0) -> dict[int, str]:
+        """The newest whole step (all parts present, intact) each live keeper holds: step -> a keeper's name,
+        newest step first."""
+        got = self._collect({n: k.whole_steps.remote() for n, k in dict(self._keepers).items()}, timeout)
+        found: dict[int, str] = {}
+        for name, steps in got.items():
+            for step in steps if isinstance(steps, list) else []:
+                found.setdefault(step, name)
+        return dict(sorted(found.items(), reverse=True))
+
+    def region(self, name: str, step: int, leaf: int, index: Index, timeout: float = 60.0) -> np.ndarray | None:
+        keeper = self._keepers.get(name)
+        if keeper is None:
+            return None
+        got = self._collect({name: keeper.region.remote(step, leaf, index)}, timeout)[name]
+        return got if isinstance(got, np.ndarray) else None
+
+    def part_meta(self, name: str, step: int, timeout: float = 60.0) -> dict[str, Any] | None:
+        keeper = self._keepers.get(name)
+        if keeper is None:
+            return None
+        got = self._collect({name: keeper.part_meta.remote(step)}, timeout)[name]
+        return got if isinstance(got, dict) else None
 
     def push(self, image: HostImage) -> bool:
         """Queue ``image`` for every keeper and return at once; True if it will be sent (see ``every``).

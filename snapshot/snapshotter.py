@@ -352,16 +352,26 @@ class Snapshotter:
         with self._cv:
             self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
 
-    def image(self) -> HostImage:
+    def image(self, *, copy: bool = True) -> HostImage:
         """A host copy of the newest generation, read from reachable copies (for a tier that outlives
-        this process)."""
+        this process). ``copy=False``: the pieces are read-only views of the snapshot's own host buffers (no
+        copy; valid until two more generations complete, or for good once the snapshotter is closed)."""
         with self._cv:
             if not self._generations:
                 raise NoSnapshotError("no snapshot has completed yet")
             gen = self._generations[-1]
+        return self._image(gen, copy=copy)
+
+    def images(self, *, copy: bool = True) -> list[HostImage]:
+        """Every complete generation as a host image, oldest first (see :meth:`image` for ``copy``)."""
+        with self._cv:
+            generations = list(self._generations)
+        return [self._image(g, copy=copy) for g in generations]
+
+    def _image(self, gen: Generation, *, copy: bool) -> HostImage:
         assert self._engine is not None
         devices = {c.device for leaf in gen.leaves for p in leaf.pieces for c in p.copies}
-        return to_image(gen, self._engine, {d for d in devices if reachable(self._guard, d)})
+        return to_image(gen, self._engine, {d for d in devices if reachable(self._guard, d)}, copy=copy)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import jax
 import ray
 import structlog
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh
 
 import runtime
 from elastic.control.accounting import Accounting
@@ -34,6 +34,7 @@ from elastic.supervision.membership import View
 from elastic.control.metrics import JobMetrics
 from elastic.control.report import Ledger, Report, Timeline
 from elastic.api.run import Run
+from elastic.api.shardings import check_splits, replicate_all, state_shardings
 from elastic.control.tiers import TierSet
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
 from snapshot import SnapshotInfo
@@ -57,44 +58,17 @@ class FaultPlan(Protocol):
         ...
 ShardingsFn = Callable[[Mesh], Any]
 
-def _use_compilation_cache(job_name: str) -> None:
+def _use_compilation_cache(job_name: str) -> str:
     """Turn on JAX's persistent compilation cache in a job-scoped directory (unless the application set
     one), so that a client restarted on this machine recompiles nothing it compiled before. JAX reads the
-    setting once per process: the first job of a process names the directory."""
+    setting once per process: the first job of a process names the directory. Returns the directory (the
+    workers of a multi-process job and its standby group share it)."""
     if jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name))
+        return str(jax.config.jax_compilation_cache_dir)
+    directory = os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name)
+    jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def replicate_all(abstract_state: Any) -> Callable[[Mesh], Any]:
-    """Default shardings: every leaf replicated on every device (data parallel)."""
-    return lambda mesh: jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract_state)
-
-
-def _sharding(mesh: Mesh, path: Any, leaf: Any, spec: Any) -> Sharding:
-    """One state leaf's sharding on ``mesh``; ``ConfigError`` naming the leaf when ``spec`` does not fit."""
-    where = f"state leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
-    if isinstance(spec, Sharding):
-        return spec
-    if not isinstance(spec, PartitionSpec):
-        raise ConfigError(f"shardings_fn gave {spec!r} ({type(spec).__name__}) for {where}: give a "
-                          "jax.sharding.PartitionSpec or a Sharding per state leaf")
-    axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(a, str)]
-    for axis in axes:
-        if axis not in mesh.axis_names:
-            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r}, but the mesh has axes "
-                              f"{tuple(mesh.axis_names)}; name only those (or give a mesh_fn with that axis)")
-        if axes.count(axis) > 1:
-            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r} more than once; split a leaf over each "
-                              "mesh axis at most once")
-    if len(spec) > len(leaf.shape):
-        raise ConfigError(f"{where}: {spec} has {len(spec)} entries for {len(leaf.shape)} dimension(s); give at "
-                          "most one entry per dimension")
-    try:
-        return NamedSharding(mesh, spec)
-    except ValueError as err:
-        raise ConfigError(f"{where}: {spec} does not fit the mesh {dict(mesh.shape)}: {err}") from err
+    return directory
 
 
 class ElasticJob:
@@ -139,7 +113,8 @@ class ElasticJob:
             faults.validate(num_slices=config.num_slices, num_steps=config.num_steps)
         if config.global_batch_size is not None and not microbatched:  # a shrink must not strand the batch
             check_batch_splits(config.global_batch_size, config, what="global_batch_size: a batch")
-        _use_compilation_cache(config.job_name)
+        self._cache_dir = _use_compilation_cache(config.job_name)
+        self._multi = config.processes is not None
         self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         if not jax.tree_util.tree_leaves(self._abstract):
@@ -154,12 +129,17 @@ class ElasticJob:
         self._client_events: ClientEvents | None = None
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
         for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
+            if self._multi:
+                self._check_splits_abstract(count)
+                continue
             try:
                 mesh = runtime.build_mesh(self.topology.slices[:count], mesh_fn)
             except ValueError as err:
                 raise ConfigError(f"mesh_fn over {count} slice(s): {err}") from err
             self._check_splits(mesh)  # bad specs fail at once
-        self._tiers = TierSet(config, self.topology, self._abstract)
+        self._tiers = None if self._multi else TierSet(config, self.topology, self._abstract)
+        self._keepers: Any = None  # multi-process mode: the job's keeper actors (the workers push to them)
+        self._placement: Any = None
         self._acct = Accounting(num_slices=config.num_slices, num_steps=config.num_steps)
         self._group: ActorGroup | None = None
         self._watcher: ViewWatcher | None = None
@@ -169,6 +149,9 @@ class ElasticJob:
     # -- set-up ----------------------------------------------------------------------------
     def _topology(self) -> runtime.Topology:
         cfg = self.config
+        if self._multi:  # the slices' devices live in the workers: this process only names them
+            return runtime.Topology(slices=tuple(runtime.Slice(index=i, devices=tuple(range(cfg.devices_per_slice)))
+                                                 for i in range(cfg.num_slices)))
         try:
             if cfg.simulated:
                 return runtime.simulated_topology(cfg.num_slices, cfg.devices_per_slice)
@@ -181,30 +164,26 @@ class ElasticJob:
         return topo
 
     def _shardings(self, mesh: Mesh) -> Any:
-        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` if the structure differs, or a
-        leaf's spec does not fit the mesh or the leaf)."""
-        specs = self._shardings_fn(mesh)
-        try:
-            runtime.check_structure(self._abstract, specs)
-        except runtime.StructureError as err:
-            raise ConfigError(str(err)) from err
-        paths = jax.tree_util.tree_leaves_with_path(self._abstract)
-        leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, Sharding)))
-        shardings = [_sharding(mesh, path, leaf, spec) for (path, leaf), spec in zip(paths, leaves, strict=True)]
-        return jax.tree_util.tree_structure(self._abstract).unflatten(shardings)
+        """The state's shardings on ``mesh``, one per leaf (``ConfigError`` when a spec does not fit)."""
+        return state_shardings(self._abstract, self._shardings_fn, mesh)
 
     def _check_splits(self, mesh: Mesh) -> None:
         """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
-        shardings = self._shardings(mesh)
-        targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
-        for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(self._abstract), targets, strict=True):
-            try:
-                sharding.shard_shape(leaf.shape)
-            except (ValueError, IndexError) as err:
-                raise ConfigError(
-                    f"state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} does not split over the "
-                    f"mesh {dict(mesh.shape)}: {err}; pick sizes that divide every device count you may shrink to"
-                ) from err
+        check_splits(self._abstract, self._shardings_fn, mesh)
+
+    def _check_splits_abstract(self, count: int) -> None:
+        """Multi-process mode: the same check on the default mesh of ``count`` slices, without its devices (a
+        ``mesh_fn`` needs the devices: its meshes are checked by the workers as they form)."""
+        if self._mesh_fn is not None:
+            return
+        mesh = jax.sharding.AbstractMesh((count, self.config.devices_per_slice), (runtime.REPLICA_AXIS,
+                                                                                   runtime.LOCAL_AXIS))
+        try:
+            check_splits(self._abstract, self._shardings_fn, mesh)  # type: ignore[arg-type]
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - a shardings_fn that needs real devices: the workers check it
+            pass
 
     def start(self) -> ElasticJob:
         """Connect to Ray, launch the supervisor and agents, and wait for the first view."""
@@ -212,25 +191,59 @@ class ElasticJob:
             return self
         self._ray_started = connect(self._ray_address)
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
-        JobMetrics(self.config.job_name, snapshot_stats=self._tiers.snapshot_stats).attach(self._acct)
-        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes)
+        JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
+        agents = None
+        if self._multi:
+            from elastic.placements.processes import WorkerProcesses
+
+            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec())
+        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents)
         try:
+            if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
+                from snapshot.keeper import KeeperTier
+
+                self._keepers = KeeperTier.attach(self.config.namespace) or KeeperTier(
+                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1).start()
             self._group.launch()
-            self._tiers.start()
+            if self._tiers is not None:
+                self._tiers.start()
         except BaseException:
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
             stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
-            self._client_events = ClientEvents(stream, lambda: self._tiers.last_completed).attach(self._acct)
+            self._client_events = ClientEvents(stream, self._last_completed).attach(self._acct)
         self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
                                     lost_after_s=supervisor_lost_after_s(self.config))
         return self
 
+    def _snapshot_stats(self) -> dict[str, Any]:
+        if self._tiers is not None:
+            return self._tiers.snapshot_stats()
+        if self._placement is not None:
+            return self._placement.snapshot_stats()
+        return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0}
+
+    def _last_completed(self) -> tuple[int, str] | None:
+        return self._tiers.last_completed if self._tiers is not None else None
+
+    def _worker_spec(self) -> Any:
+        from elastic.placements.worker import WorkerSpec
+
+        hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
+        return WorkerSpec(config=self.config, init_fn=self._init_fn, shardings_fn=self._shardings_fn,
+                          mesh_fn=self._mesh_fn, init_from=None if self._init_from is None else str(self._init_from),
+                          step_hooks=tuple(hooks), cache_dir=self._cache_dir,
+                          keepers=bool(self.config.tiers.keeper_every))
+
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
         if started here. Only a client that dies without closing leaves its keepers for a successor."""
-        self._tiers.close()
+        if self._tiers is not None:
+            self._tiers.close()
+        if self._keepers is not None:
+            self._keepers.close(kill=True)
+            self._keepers = None
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -238,7 +251,7 @@ class ElasticJob:
             self._group.shutdown()
             self._record()
             self._group = None
-        if self.config.simulated:
+        if self.config.simulated and not self._multi:
             for s in self.topology.slices:
                 runtime.simulated.revive_slice(s)
         if self._ray_started:
@@ -265,7 +278,10 @@ class ElasticJob:
 
     def latest_snapshot(self) -> SnapshotInfo:
         """The newest complete in-memory snapshot, once any in flight has finished (``NoSnapshotError``
-        before the first)."""
+        before the first). Single-process mode."""
+        if self._tiers is None:
+            raise ElasticError("latest_snapshot() reads the single-process snapshotter; in multi-process mode each "
+                               "worker holds its own (see the report's snapshot figures)")
         return self._tiers.latest()
 
     @property
@@ -282,21 +298,34 @@ class ElasticJob:
         hooks = []
         if self._faults is not None and len(self._faults):
             hooks.append(self._faults.injector(self))
-        placement = LocalPlacement(self.config, topology=self.topology, mesh_fn=self._mesh_fn,
-                                   shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
-                                   initial_state=self._initial_state)
+        self._placement = placement = self._new_placement()
         self.controller = controller = Controller(config=self.config, placement=placement, watcher=self._watcher,
                                                   group=self.group, accounting=self._acct, before_step=hooks,
                                                   on_step=self._on_step, during_prepare=self.during_prepare)
         try:
             result = controller.run(loop)
+            if self._save_final_to is not None:
+                if self._multi:
+                    placement.save_final(str(self._save_final_to))
+                else:
+                    orbax_io.save_final(self._save_final_to, result.state)
+                self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
+                self._log.info("saved_final", path=str(self._save_final_to))
         finally:
             placement.close()
-        if self._save_final_to is not None:
-            orbax_io.save_final(self._save_final_to, result.state)
-            self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
-            self._log.info("saved_final", path=str(self._save_final_to))
         return result
+
+    def _new_placement(self) -> Any:
+        if not self._multi:
+            assert self._tiers is not None
+            return LocalPlacement(self.config, topology=self.topology, mesh_fn=self._mesh_fn,
+                                  shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
+                                  initial_state=self._initial_state)
+        from elastic.placements.processes import ProcessPlacement
+
+        return ProcessPlacement(self.config, spec=self._worker_processes._spec, group=lambda: self.group,  # noqa: SLF001
+                                accounting=self._acct, keepers=lambda: self._keepers, cache_dir=self._cache_dir,
+                                factory=self._worker_processes)
 
     @property
     def _initial_state(self) -> Callable[[Any], Any] | None:

@@ -91,7 +91,15 @@ class Faults:
         return len(self._faults)
 
     def injector(self, job: Any) -> Callable[[int], None]:
-        """The before-step hook that carries this plan out on ``job`` (an ``ElasticJob``)."""
-        from elastic.chaos.injector import FaultInjector
+        """The before-step hook that carries this plan out on ``job`` (an ``ElasticJob``); in multi-process mode
+        the driver's half of it (see :meth:`worker_hooks`)."""
+        from elastic.chaos.injector import DriverFaults, FaultInjector
 
-        return FaultInjector.for_job(self, job)
+        return (FaultInjector if job.config.processes is None else DriverFaults).for_job(self, job)
+
+    def worker_hooks(self) -> list[Callable[[Any], None]]:
+        """Multi-process mode: the step hooks each worker runs to carry out its share of this plan."""
+        from elastic.chaos.injector import WorkerFaults
+
+        hooks = WorkerFaults(self.faults)
+        return [hooks] if hooks.faults else []

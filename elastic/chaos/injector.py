@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -23,7 +24,7 @@ from snapshot import Snapshotter
 if TYPE_CHECKING:
     from elastic.api.job import ElasticJob
 
-__all__ = ["FaultInjector", "snapshotter_of"]
+__all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
 
 
 class FaultInjector:
@@ -82,6 +83,94 @@ class FaultInjector:
             if self._simulated:
                 runtime.simulated.revive_slice(slice_)
             group.spawn_agent(fault.slice)
+
+
+class WorkerFaults:
+    """The faults a worker process carries out itself in multi-process mode, on its own slice, as the step starts:
+    ``kill`` (SIGKILL: a real process death), ``silence`` and a ``hang`` of a slice (SIGSTOP: a hung host, heartbeats
+    included), a ``hang`` of no slice (every worker's step never completes until the step watchdog ends it) and
+    ``transient`` (every worker's step raises a slice-loss error). A ``revive`` of slice k at step n holds every
+    worker before step n + 1 until slice k is back in the membership view (its new process, started by the driver
+    at step n, joins there), at most ``hold_s``. Pickled to every worker; each fault fires once per process, and
+    never at a step the job had reached before (a recomputed step)."""
+
+    KINDS = ("kill", "silence", "hang", "transient", "revive")
+
+    def __init__(self, faults: tuple[Fault, ...], *, hold_s: float = 60.0) -> None:
+        self.faults = tuple(f for f in faults if f.kind in self.KINDS)
+        self.hold_s = hold_s
+        self._fired: set[Fault] = set()
+
+    def __call__(self, context: Any) -> None:
+        step, slice_index = context.step, context.slice
+        for fault in self.faults:
+            due = fault.at_step + 1 if fault.kind == "revive" else fault.at_step
+            if due != step or fault in self._fired or step <= context.floor:
+                continue
+            if fault.kind == "revive":
+                self._fired.add(fault)
+                self._hold(context, fault)
+                continue
+            if fault.slice is not None and fault.slice != slice_index:
+                continue
+            self._fired.add(fault)
+            get_logger("elastic.faults").warning("fault_injected", kind=fault.kind, step=step, slice=slice_index)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind in ("silence", "hang") and fault.slice is not None:
+                os.kill(os.getpid(), signal.SIGSTOP)  # a hung host: the whole process stops
+            elif fault.kind == "hang":
+                runtime.hangs.arm(None)
+            elif fault.kind == "transient":
+                raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {step}")
+
+    def _hold(self, context: Any, fault: Fault) -> None:
+        import ray
+
+        deadline = time.monotonic() + self.hold_s
+        while time.monotonic() < deadline:
+            view = ray.get(context.supervisor.view.remote(), timeout=10)
+            if fault.slice in view.active or view.gave_up is not None:
+                return
+            time.sleep(0.05)
+
+
+class DriverFaults:
+    """The driver's half of a drill in multi-process mode (the workers carry out the rest: :class:`WorkerFaults`).
+    Called with the group's progress; each fault is due once the group reaches its step. A ``revive`` starts a
+    new process for its slice unless the slice is back already (``Processes.replace_lost`` may have started one);
+    ``kill_client`` SIGKILLs this process. The workers' faults are counted and marked on the timeline here."""
+
+    def __init__(self, faults: Faults, *, group: Callable[[], ActorGroup], accounting: Accounting,
+                 view: Callable[[], Any], job: str) -> None:
+        self._faults = faults
+        self._group = group
+        self._acct = accounting
+        self._view = view
+        self._fired: set[Fault] = set()
+        self._log = get_logger("elastic.faults", job=job)
+
+    @classmethod
+    def for_job(cls, faults: Faults, job: ElasticJob) -> DriverFaults:
+        return cls(faults, group=lambda: job.group, accounting=job._acct,  # noqa: SLF001 - the job's own accounting
+                   view=lambda: job.group.supervisor, job=job.config.job_name)
+
+    def __call__(self, step: int) -> None:
+        for fault in self._faults.faults:
+            if fault.at_step <= step and fault not in self._fired:
+                self._fired.add(fault)
+                self._fire(fault)
+
+    def _fire(self, fault: Fault) -> None:
+        self._acct.timeline.add(f"inject_{fault.kind}", step=fault.at_step, slice=fault.slice)
+        if fault.kind == "kill_client":
+            self._log.warning("fault_injected", kind=fault.kind, step=fault.at_step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "revive":
+            assert fault.slice is not None
+            self._group().revive(fault.slice)  # unless a replacement is starting, or the slice is back
+            return
+        self._acct.report.failures_injected += 1
 
 
 def snapshotter_of(job: ElasticJob) -> Snapshotter:

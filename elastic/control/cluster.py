@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -31,7 +31,7 @@ from elastic.errors import SupervisorError
 from elastic.log import get_logger
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["connect", "cleanup", "ActorGroup"]
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -106,11 +106,37 @@ def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout
         get_logger("elastic.control.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
 
-class ActorGroup:
-    """The supervisor and the slice agents of one job."""
+class AgentFactory(Protocol):
+    """Starts a slice's agent actor (``options``: its name, namespace and placement); returns its handle. The
+    actor has ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``."""
 
-    def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None) -> None:
+    detached: bool  # the agent outlives the client (single-process mode's agents); else it dies with the driver
+
+    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any: ...
+
+
+class SliceAgents:
+    """Single-process mode's agents: a small :class:`SliceAgent` actor per slice, detached."""
+
+    detached = True
+
+    def __init__(self, config: ElasticConfig) -> None:
         self._config = config
+
+    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+        cfg = self._config
+        return SliceAgent.options(**options).remote(index, incarnation, supervisor, cfg.heartbeat_interval_s,
+                                                    cfg.job_name)
+
+
+class ActorGroup:
+    """The supervisor and the slice agents of one job (``agents`` starts each: single-process mode's small agent
+    actors, or multi-process mode's worker processes, which are their slices' agents)."""
+
+    def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None,
+                 agents: AgentFactory | None = None) -> None:
+        self._config = config
+        self._factory = agents or SliceAgents(config)
         self._agent_nodes = dict(agent_nodes or {})
         self._agents: dict[int, Any] = {}
         self._incarnations: dict[int, int] = {}
@@ -155,7 +181,7 @@ class ActorGroup:
             )
         ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
         ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
-        if cfg.policy.respawn_every_s is not None:
+        if self.respawn_every_s is not None:
             self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}",
                                                daemon=True)
             self._respawner.start()
@@ -201,14 +227,13 @@ class ActorGroup:
                 _kill(previous)
             incarnation = self._incarnations.get(index, -1) + 1
             self._incarnations[index] = incarnation
-            options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace,
-                                       "lifetime": "detached"}
+            options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace}
+            if self._factory.detached:
+                options["lifetime"] = "detached"
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index],
                                                                                 soft=False)
-            agent = SliceAgent.options(**options).remote(
-                index, incarnation, self.supervisor, cfg.heartbeat_interval_s, cfg.job_name
-            )
+            agent = self._factory(index, incarnation, self.supervisor, options)
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
             self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
@@ -216,8 +241,44 @@ class ActorGroup:
             return agent
 
     # -- respawning (Policy.respawn_every_s) ----------------------------------------------------
+    @property
+    def respawn_every_s(self) -> float | None:
+        """How often a dead agent's slice may get a new one: ``Policy.respawn_every_s``; in multi-process mode with
+        ``Processes.replace_lost``, every second at most by default (a new process for a lost one)."""
+        cfg = self._config
+        if cfg.policy.respawn_every_s is not None:
+            return cfg.policy.respawn_every_s
+        return 1.0 if cfg.processes is not None and cfg.processes.replace_lost else None
+
+    def revive(self, index: int) -> bool:
+        """Bring slice ``index`` back without blocking (a repaired host): start a new agent and its registration,
+        unless one is starting already or the slice is in the view. True if one was started."""
+        with self._lock:
+            if index in self._starting or self._stop.is_set():
+                return False
+        view = ray.get(self.supervisor.view.remote(), timeout=10)
+        if index in view.active:
+            return False
+        with self._lock:
+            agent = self._spawn(index)
+            incarnation = self._incarnations[index]
+            self._starting[index] = (incarnation, agent.start.remote(),
+                                     time.monotonic() + self._config.startup_timeout_s)
+        self._log.warning("agent_revived", slice=index, incarnation=incarnation)
+        return True
+
+    def respawn_now(self) -> None:
+        """Start the replacements due now, without waiting for the respawner's next round (a loss was just seen)."""
+        every = self.respawn_every_s
+        if every is None or self._stop.is_set():
+            return
+        try:
+            self._respawn_once(every)
+        except Exception as err:  # noqa: BLE001 - the respawner tries again on its next round
+            self._log.warning("respawn_check_failed", error=repr(err))
+
     def _respawn_loop(self) -> None:
-        every = self._config.policy.respawn_every_s
+        every = self.respawn_every_s
         assert every is not None
         while not self._stop.wait(min(every, 1.0)):
             try:

@@ -27,7 +27,7 @@ from elastic.control.transitions import (Abort, Action, AwaitView, Boundary, Eve
                                          LoopReturned, Machine, NoteFailure, Noted, Prepare, Probe, Probed, Ready,
                                          RunPass, Started, ViewSeen, transition)
 from elastic.control.watcher import ViewWatcher
-from elastic.errors import ConfigError, ElasticError, GiveUpError
+from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.log import get_logger
 from elastic.supervision.membership import View
 
@@ -67,7 +67,7 @@ class Controller:
     # -- the driver ----------------------------------------------------------------------------
     def run(self, loop: Callable[..., Any]) -> JobResult:
         """Run ``loop`` to the last step through the state machine, re-entering it on each view change."""
-        view = self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
+        view = self._first_view()
         self._acct.timeline.add("started", slices=len(view.active), epoch=view.epoch)
         machine, event = Machine(), Started(view)
         self._stall.start()
@@ -83,6 +83,16 @@ class Controller:
                 event = next_event
         finally:
             self._stall.stop()
+
+    def _first_view(self) -> View:
+        """The view to start on: every slice, once the supervisor has judged them all (a job taken over from a
+        crashed client sees its agents register one by one); any slice past a short bound."""
+        everything = frozenset(range(self.config.num_slices))
+        try:
+            return self._watcher.wait_for(lambda v: v.active >= everything, min(10.0, self.config.startup_timeout_s),
+                                          what="every slice")
+        except RecoveryTimeoutError:
+            return self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
 
     def _execute(self, machine: Machine, action: Action, loop: Callable[..., Any]) -> Event | None:
         try:

@@ -116,6 +116,10 @@ class Report:
     final_loss: float | None = None
     wall_seconds: float = 0.0
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    mode: str = "single-process"
+    extra: dict[str, Any] = field(default_factory=dict)  # mode-specific figures (multi-process: worker processes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out

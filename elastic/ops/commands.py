@@ -146,8 +146,10 @@ def register(sub: Any) -> None:
     report.add_argument("--out", help="write a PNG timeline: slices over time, failures, recoveries, snapshots, steps")
     report.set_defaults(func=_report)
     inject = sub.add_parser("inject", help="inject a fault into a running job (asks for confirmation)")
-    inject.add_argument("fault", choices=("kill", "silence"), help="kill: the slice's agent dies (as its host); "
-                        "silence: it stops heartbeating (a hung host)")
+    inject.add_argument("fault", choices=("kill", "silence", "stop"),
+                        help="kill: the slice's agent process dies (in multi-process mode its worker: SIGKILL, as its "
+                        "host dying would); silence: it stops heartbeating; stop: its process is stopped (SIGSTOP, a "
+                        "hung host)")
     inject.add_argument("--slice", type=int, required=True)
     inject.add_argument("--job", default="demo")
     inject.add_argument("--token", help="the job's token (default: $ELASTIC_HOME/tokens/<job>, written by its client)")

@@ -56,6 +56,10 @@ class SliceAgent:
         """Stop heartbeating while staying alive (a hung host, for fault injection)."""
         self._silent = True
 
+    async def stop_process(self) -> None:
+        """A hung host for real: this actor's process stops (SIGSTOP) a moment after answering."""
+        _stop_soon()
+
     async def stall(self, seconds: float) -> float:
         """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): no
         heartbeat goes out meanwhile, then beating resumes. Returns the wall time it resumed."""
@@ -112,6 +116,14 @@ class SliceGroupAgent:
         """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): none
         of its slices heartbeats meanwhile, then beating resumes. Returns the wall time it resumed."""
         return _stall(seconds)
+
+
+def _stop_soon() -> None:
+    import os
+    import signal
+    import threading
+
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
 
 
 def _stall(seconds: float) -> float:

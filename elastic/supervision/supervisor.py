@@ -285,12 +285,13 @@ class Supervisor:
         self._log.info("supervisor_closed", epoch=self._view.epoch)
 
     async def inject(self, kind: str, slice_index: int, token: str | None = None) -> dict[str, Any]:
-        """An operator's fault (``elastic inject``): ``kill`` kills the slice's agent actor (as its host dying
-        would: the slice is dropped at once), ``silence`` stops its heartbeats (a hung host: dropped after
-        ``heartbeat_timeout_s``). Written to the stream; returns what was done."""
+        """An operator's fault (``elastic inject``): ``kill`` kills the slice's agent actor (its process: in
+        multi-process mode the slice's worker; the slice is dropped at once), ``silence`` stops its heartbeats, ``stop``
+        stops its process (SIGSTOP: a hung host; both dropped after ``heartbeat_timeout_s``). Written to the stream;
+        returns what was done."""
         self._authorize(token, f"inject {kind}")
-        if kind not in ("kill", "silence"):
-            raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill or silence")
+        if kind not in ("kill", "silence", "stop"):
+            raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill, silence or stop")
         incarnation = self._newest.get(slice_index)
         if incarnation is None or (slice_index, incarnation) in self._revoked:
             raise SupervisorError(f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})")
@@ -299,6 +300,8 @@ class Supervisor:
         self._append({"kind": "inject", "fault": kind, "slice": slice_index, "incarnation": incarnation})
         if kind == "kill":
             ray.kill(agent, no_restart=True)
+        elif kind == "stop":
+            agent.stop_process.remote()
         else:
             agent.silence.remote()
         return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}

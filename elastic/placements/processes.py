@@ -1,0 +1,479 @@
+"""Multi-process mode, the driver's side: a worker process per slice (:mod:`elastic.placements.worker`), joined by
+``jax.distributed``, the user's loop SPMD in every worker.
+
+The driver hosts each group's coordination service (:class:`runtime.distributed.CoordinationService`: a worker
+that dies must not take the service with it) and never holds the state. To put the state on a view it asks the
+members what host snapshots they hold and picks the source: the newest step the members hold between them (their
+own shards and the buddy copies of the lost ones: the memory tier), else the keepers' newest whole step, else the
+newest Orbax checkpoint, else a fresh start (never silently from step 0 once something was committed). Then every
+member joins the new group in place (same processes) and restores its own regions. A pass is watched (bounded):
+a worker's death shows as its call failing with a Ray actor error, the survivors' as status ``failed`` once their
+next collective breaks (or at once: the driver aborts their pass); a member still in the pass ``settle_timeout_s``
+after a failure is hung, and is killed. Commits are read from the lead worker as they happen and accounted here
+(ledger, events, metrics, ``on_step``), exactly once and in order. When the supervisor's view changes during a
+pass (a new process for a lost slice registered), the group stops at a step boundary a few steps ahead, snapshots
+there, and re-forms with the new member. The workers are the slices' agents: the supervisor sees their death.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+
+import runtime
+from elastic.config import ElasticConfig
+from elastic.control.accounting import Accounting
+from elastic.control.cluster import ActorGroup
+from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
+from elastic.errors import ElasticError
+from elastic.log import get_logger
+from elastic.placements.holdings import common_step
+from elastic.placements.standby import StandbyGroup
+from elastic.placements.worker import GroupPlan, SliceWorker, WorkerSpec
+from elastic.supervision.membership import View
+from runtime import distributed
+
+__all__ = ["ProcessPlacement", "WorkerProcesses"]
+
+POLL_S = 0.02  # how often a pass's progress is read
+STOP_MARGIN_STEPS = 2  # a boundary for a new view is planned this many steps after the progress seen
+PROBE_S = 10.0  # a worker that does not answer a ping within this is dead (a stopped process, a lost node)
+
+
+class WorkerProcesses:
+    """The agent factory of multi-process mode: the slice's worker process (named as its agent, owned by the
+    driver: it dies with it), placed by ``Processes.resources_per_worker``."""
+
+    detached = False
+
+    def __init__(self, config: ElasticConfig, spec: WorkerSpec) -> None:
+        self._config = config
+        self._spec = spec
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray options that place a process of this job (a worker, or a standby helper) and set it up."""
+        cfg = self._config
+        assert cfg.processes is not None
+        env = distributed.collective_env(cfg.devices_per_slice, collective_timeout_s=cfg.processes.collective_timeout_s)
+        if not cfg.simulated:  # the node's own accelerators: only the collective bound
+            env = {"XLA_FLAGS": f"--xla_cpu_collective_timeout_seconds={cfg.processes.collective_timeout_s}"}
+        return {**cfg.processes.worker_options(), "runtime_env": {"env_vars": env}, "max_restarts": 0}
+
+    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+        return ray.remote(SliceWorker).options(**self.actor_options(), **options, max_concurrency=16).remote(
+            index, incarnation, supervisor, self._spec)
+
+
+class ProcessPlacement:
+    def __init__(self, config: ElasticConfig, *, spec: WorkerSpec, group: Callable[[], ActorGroup],
+                 accounting: Accounting, keepers: Callable[[], Any], cache_dir: str, factory: WorkerProcesses) -> None:
+        assert config.processes is not None
+        self.config = config
+        self._procs = config.processes
+        self._spec = spec
+        self._group = group
+        self._acct = accounting
+        self._keepers = keepers
+        self._log = get_logger("elastic.placement", job=config.job_name)
+        self._groups = 0
+        self._plan: GroupPlan | None = None
+        self._members: tuple[int, ...] = ()
+        self._handles: dict[int, Any] = {}  # the current group's workers
+        self._aborted_epoch = -1
+        self._service: distributed.CoordinationService | None = None
+        self._loop_ref: Any = None
+        self._reached = -1  # the highest step any pass started (a drill's fault fires only past it)
+        self._last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
+        self._pids: dict[int, int] = {}
+        self._calls: list[Any] = []  # the lead's jitted calls, for the standby group
+        self._stats: dict[str, Any] = {}  # the lead's latest snapshot counters
+        self._snapshots: dict[int, dict[str, Any]] = {}  # slice -> its snapshot counters at its last pass end
+        self._final: Any = None
+        self._failed_at: float | None = None
+        self.figures: dict[str, Any] = {"mode": "multi-process", "worker_processes_restarted": 0, "survivors_lost": 0,
+                                        "workers_hung_killed": 0, "reform_seconds": [], "detection_seconds": [],
+                                        "recovery_compile_seconds": [], "worker_pids": {}}
+        self._standby = StandbyGroup(cache_dir=cache_dir, actor_options=factory.actor_options, mesh_fn=spec.mesh_fn,
+                                     rendezvous_timeout_s=self._procs.rendezvous_timeout_s, job=config.job_name)
+        self._recovering = False
+
+    # -- the seam -------------------------------------------------------------------------------------------------
+    def standby_ready(self, view: View) -> bool | None:
+        return self._standby.ready(len(view.active)) if self._calls else None
+
+    def prepare(self, view: View, *, live: bool, during: PrepareHook) -> Placed:
+        members = tuple(sorted(view.active))
+        group = self._group()
+        previous = self._members
+        for s in set(previous) - set(members):  # a member left out (stopped, hung, not yet dead): end that process
+            self._kill(s)
+        handles = {s: group.agent(s) for s in members}
+        helds = self._ask(handles, "held", timeout=30.0)
+        holders = [s for s in members if any(h["own"] for h in helds[s].values())]
+        source, step, keeper, tier = self._source(helds, holders, live=live, previous=previous)
+        self._groups += 1
+        # The old group's service stays up until every member has left it (in its prepare, below): a service that
+        # stops under a connected client makes that client's error poll fail, and jax then aborts the process.
+        old, self._service = self._service, distributed.CoordinationService(len(members),
+                                                                             host=ray.util.get_node_ip_address())
+        plan = GroupPlan(epoch=self._groups, address=self._service.address, members=members, peers=handles,
+                         source=source, step=step, view=view, pids=tuple(sorted(self._acct.pids | {os.getpid()})),
+                         keeper=keeper, rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
+                         record_calls=not self._calls, fault_floor=self._reached)
+        refs = {handles[s].prepare.remote(plan): s for s in members}
+        if step is not None:
+            grew = len(members) > len(previous)
+            during("restore" if not live else "grow" if grew else "reshard", step, view)
+        try:
+            results = self._collect(refs, timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
+                                    what=f"group {plan.epoch} to form")
+        finally:
+            if old is not None:
+                old.stop()
+        self._plan, self._members, self._handles = plan, members, handles
+        for s, res in results.items():  # a member that ran the last group in another process was restarted
+            if s in self._last_pid and res["pid"] != self._last_pid[s] and s in previous:
+                self.figures["worker_processes_restarted"] += 1
+            self._last_pid[s] = self._pids[s] = res["pid"]
+        self.figures["worker_pids"] = dict(self._pids)
+        reform = max(r.get("reform_seconds") or 0.0 for r in results.values())
+        if self._recovering:
+            self.figures["reform_seconds"].append(round(reform, 3))
+        detail = {"reform_seconds": round(reform, 3),
+                  "restore_seconds": max(r.get("restore_seconds") or 0.0 for r in results.values())}
+        meta = results[members[0]].get("meta")
+        if source == "fresh":
+            return Placed(how="fresh", step=0, detail=detail)
+        assert step is not None and meta is not None
+        if live:
+            return Placed(how="moved", step=step, detail=detail)
+        return Placed(how="restored", step=step, tier=tier, generation=step, meta=meta, detail=detail)
+
+    def _source(self, helds: dict[int, dict[int, Any]], holders: list[int], *, live: bool,
+                previous: tuple[int, ...]) -> tuple[str, int | None, str | None, str | None]:
+        """Where the state comes from: (source, step, keeper, tier)."""
+        step = common_step([helds[s] for s in holders]) if holders else None
+        if step is not None:
+            return "memory", step, None, "memory"
+        if live:
+            raise ElasticError(f"the members {sorted(holders)} do not hold the boundary snapshot between them")
+        keepers = self._keepers()
+        if keepers is not None:
+            whole = keepers.whole_steps(timeout=30.0)
+            if whole:
+                found, name = next(iter(whole.items()))
+                return "keeper", found, name, "keeper"
+        persistent = self._persistent_step()
+        if persistent is not None:
+            return "persistent", persistent, None, "persistent"
+        if holders or self._acct.ledger.steps:
+            raise ElasticError(
+                f"no tier can restore the state: the surviving workers {holders} do not hold a whole step between "
+                "them (a worker was lost with the buddy copy of its shards), and no keeper or persistent copy "
+                "exists. Nothing was restarted from step 0; raise tiers.keeper_every's frequency, or set "
+                "tiers.persistent_dir")
+        return "fresh", None, None, None
+
+    def _persistent_step(self) -> int | None:
+        directory = self.config.tiers.persistent_dir
+        if directory is None:
+            return None
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        path = epath.Path(directory)
+        if not path.exists():
+            return None
+        manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+        try:
+            return manager.latest_step()
+        finally:
+            manager.close()
+
+    def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
+        plan = self._plan
+        assert plan is not None, "run_pass before prepare"
+        if self._loop_ref is None:
+            self._loop_ref = ray.put(loop)
+        plan = dataclasses.replace(plan, loop=self._loop_ref)
+        group = self._group()
+        handles = {s: group.agent(s) for s in plan.members}
+        pending = {handles[s].run_pass.remote(plan): s for s in plan.members}
+        results: dict[int, dict[str, Any]] = {}
+        lost: set[int] = set()
+        failed_at: float | None = None
+        seen = 0  # commits of this pass accounted so far
+        next_step = plan.step or 0
+        stop: View | None = None
+        run = _RunInfo(plan.view, plan.step or 0, len(plan.members) * self.config.devices_per_slice)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+            for ref in ready:
+                s = pending.pop(ref)
+                try:
+                    results[s] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    lost.add(s)
+                    failed_at = failed_at or time.time()
+                    self._acct.timeline.add("worker_lost", slice=s, epoch=plan.view.epoch)
+                    continue
+                if results[s]["status"] not in ("finished", "regroup"):
+                    failed_at = failed_at or results[s].get("failed_at") or time.time()
+                    self._acct.timeline.add("collective_failed", slice=s, status=results[s]["status"],
+                                            error=str(results[s].get("error"))[:160])
+            if failed_at is not None:
+                if self._aborted_epoch != plan.epoch:
+                    self._aborted_epoch = plan.epoch
+                    for s in pending.values():  # the rest may wait on the lost one until the collective timeout
+                        handles[s].abort.remote(plan.epoch)
+                    self._group().respawn_now()
+                if time.time() - failed_at > self._procs.settle_timeout_s:
+                    for s in list(pending.values()):
+                        self._kill(s)
+                        lost.add(s)
+                        self.figures["workers_hung_killed"] += 1
+                        self._acct.timeline.add("worker_stuck_killed", slice=s, epoch=plan.view.epoch)
+                    pending.clear()
+                continue
+            if not pending:
+                break
+            got = self._progress(handles, pending.values(), seen)
+            if got is not None:
+                for step, batch, metrics in got["commits"]:
+                    self._commit(host, step, batch, metrics, plan, run)
+                seen += len(got["commits"])
+                next_step = max(next_step, got["next_step"])
+                self._reached = max(self._reached, next_step)
+                self._stats = got["snapshots"]
+                if got["calls"] and not self._calls:
+                    self._calls = got["calls"]
+                if self._calls and seen >= 2:  # every function of a step has run: rehearse the group one smaller
+                    self._prepare_standby(len(plan.members))
+            host.before_step(next_step)  # the drill's driver-side faults (a revive), the stall reporter
+            view = host.view
+            if stop is None and view.epoch != plan.view.epoch:
+                stop = view
+                at = next_step + STOP_MARGIN_STEPS
+                if at < self.config.num_steps:
+                    self._acct.timeline.add("stop_requested", epoch=plan.view.epoch, before_step=at)
+                    for s in pending.values():
+                        handles[s].request_stop.remote(plan.epoch, at, view)
+        return self._end_pass(plan, results, lost, seen, host, run, stop)
+
+    def _end_pass(self, plan: GroupPlan, results: dict[int, dict[str, Any]], lost: set[int], seen: int,
+                  host: PlacementHost, run: _RunInfo, stop: View | None) -> PassEnd:
+        tails = sorted((r for r in results.values() if r.get("commits")), key=lambda r: len(r["commits"]))
+        if tails:  # the commits not read during the pass, from the member that committed the most
+            for step, batch, metrics in tails[-1]["commits"][seen:]:
+                self._commit(host, step, batch, metrics, plan, run)
+        for s, r in results.items():
+            self._snapshots[s] = r.get("snapshots", {})
+            self._reached = max(self._reached, r.get("next_step", 0))
+        self._standby.ran(len(plan.members))
+        errors = [r for r in results.values() if r["status"] == "error"]
+        if errors:
+            raise ElasticError(f"slice {errors[0]['slice']}'s loop failed: {errors[0]['error']}\n"
+                               f"{errors[0].get('traceback', '')}")
+        failed = sorted(lost | {s for s, r in results.items() if r["status"] in ("failed", "hung")})
+        if failed:
+            self._failed_at = time.time()
+            self._recovering = True
+            self.figures["survivors_lost"] += len(lost - self._targeted(plan, lost))
+            if not lost and all(results[s]["status"] == "hung" for s in failed):
+                raise runtime.StepHungError(f"group {plan.epoch}'s step", self.config.step_timeout_s or 0.0,
+                                            hint=str(results[failed[0]].get("error"))[:300])
+            why = "; ".join(f"slice {s}: " + ("worker process died" if s in lost else str(results[s].get("error"))[:120])
+                            for s in failed[:4])
+            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: group {plan.epoch} broke ({why})")
+        first = [r for r in results.values() if r.get("first_commit_at")]
+        if self._recovering and first:
+            self._recovering = False
+            self.figures["recovery_compile_seconds"].append(
+                max(r.get("first_step_compile_seconds") or 0.0 for r in first))
+        if all(r["status"] == "finished" for r in results.values()):
+            self._final = plan
+            return PassEnd()
+        assert stop is not None
+        return PassEnd(regroup=stop, live=True)
+
+    def _targeted(self, plan: GroupPlan, lost: set[int]) -> set[int]:
+        """The lost slices a drill's fault took (their loss is no survivor's)."""
+        targeted = set()
+        for hook in self._spec.step_hooks:
+            for fault in getattr(hook, "faults", ()):
+                if fault.slice in lost and fault.kind in ("kill", "silence", "hang"):
+                    targeted.add(fault.slice)
+        return targeted
+
+    def _commit(self, host: PlacementHost, step: int, batch: int, metrics: dict[str, Any], plan: GroupPlan,
+                run: _RunInfo) -> None:
+        host.on_commit(step, batch, metrics, plan.view, run)
+
+    def _progress(self, handles: dict[int, Any], pending: Any, since: int) -> dict[str, Any] | None:
+        """The pass's progress from the first member that answers within a second (members run in lockstep)."""
+        for s in list(pending):
+            try:
+                return ray.get(handles[s].progress.remote(since), timeout=1.0)
+            except Exception:  # noqa: BLE001 - a dead, stopped or busy worker: ask the next
+                continue
+        return None
+
+    def _prepare_standby(self, size: int) -> None:
+        if not self._procs.standby:
+            return
+        smaller = size - 1
+        if smaller >= max(1, self.config.policy.min_slices):
+            self._standby.prepare(smaller, self._calls)
+
+    def drop(self) -> None:
+        self._plan = None
+
+    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
+        """Which workers do not answer a ping within a few seconds (dead, stopped, or on a lost node)."""
+        group = self._group()
+        bound = min(timeout_s or PROBE_S, PROBE_S)
+        refs = {}
+        dead = set()
+        for s in slices:
+            try:
+                refs[s] = group.agent(s).ping.remote()
+            except KeyError:
+                dead.add(s)
+        for s, ref in refs.items():
+            try:
+                ray.get(ref, timeout=bound)
+            except Exception:  # noqa: BLE001 - no answer: that worker is gone
+                dead.add(s)
+        return frozenset(dead)
+
+    @property
+    def hardware_suspect(self) -> bool:
+        """A worker that does not answer lost its process, not (necessarily) its hardware: it may be replaced."""
+        return False
+
+    def final_state(self) -> Any:
+        """The final state as host arrays, assembled from every worker's own regions (typed keys wrapped back).
+        Assembled in the driver: meant for checking small models; a large one is written by ``save_final_to``."""
+        if self._final is None:
+            return None
+        plan = self._final
+        got = self._ask({s: self._handles[s] for s in plan.members}, "final_pieces", timeout=120.0)
+        abstract = jax.eval_shape(self._spec.init_fn, jax.random.key(self.config.seed))
+        treedef = jax.tree_util.tree_structure(abstract)
+        layout = got[plan.members[0]]["layout"]
+        out = []
+        for i, (shape, dtype, key_impl) in enumerate(layout):
+            full = np.empty(tuple(shape), dtype=np.dtype(dtype))
+            for s in plan.members:
+                for index, data in got[s]["pieces"][i]:
+                    full[tuple(slice(a, b) for a, b in index)] = data
+            out.append(full if key_impl is None else jax.random.wrap_key_data(full, impl=key_impl))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def save_final(self, path: str) -> None:
+        assert self._final is not None
+        refs = [self._handles[s].save_final.remote(path) for s in self._final.members]
+        ray.get(refs, timeout=600)
+
+    def fill(self, report: Any) -> None:
+        lead = self._snapshots.get(self._members[0], {}) if self._members else {}
+        report.snapshots_requested = lead.get("snapshots_requested", 0)
+        report.snapshots_taken = lead.get("snapshots_taken", 0)
+        report.snapshots_coalesced = lead.get("snapshots_coalesced", 0)
+        report.snapshots_failed = lead.get("snapshots_failed", 0)
+        report.snapshot_blocking_seconds = round(max((s.get("blocking_seconds", 0.0)
+                                                      for s in self._snapshots.values()), default=0.0), 4)
+        report.snapshot_held_bytes = sum(s.get("held_bytes", 0) for s in self._snapshots.values())
+        report.snapshot_copies = min(2, len(self._members)) if report.snapshot_held_bytes else 0
+        keepers = self._keepers()
+        if keepers is not None:
+            k = keepers.stats()
+            report.keeper_bytes, report.keeper_pushes = k["keeper_bytes"], k["keeper_pushes"]
+        report.standby_compiles = self._standby.compiled
+        report.standby_skipped = self._standby.skipped
+        report.standby_compile_seconds = round(self._standby.seconds, 3)
+        report.extra.update(self.figures)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The lead worker's snapshot counters, as last read (the same keys as the single-process snapshotter's)."""
+        return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0, **self._stats}
+
+    def wait_for_standbys(self, timeout: float) -> bool:
+        return self._standby.wait(timeout)
+
+    def close(self) -> None:
+        self._standby.close()
+        refs = [h.leave.remote() for h in self._handles.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        self._stop_service()
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+    def _ask(self, handles: dict[int, Any], method: str, *, timeout: float) -> dict[int, Any]:
+        refs = {getattr(h, method).remote(): s for s, h in handles.items()}
+        return self._collect(refs, timeout=timeout, what=f"the workers to answer {method}")
+
+    def _collect(self, refs: dict[Any, int], *, timeout: float, what: str) -> dict[int, Any]:
+        """Every member's answer; a member that died or did not answer is a lost slice (a slice-loss error)."""
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        out: dict[int, Any] = {}
+        missing = []
+        for ref, s in refs.items():
+            if ref not in ready:
+                missing.append(s)
+                continue
+            try:
+                out[s] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                missing.append(s)
+        if missing:
+            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: slice(s) {sorted(missing)} did not answer while waiting "
+                                             f"for {what}")
+        bad = {s: r for s, r in out.items() if isinstance(r, dict) and r.get("status") in ("failed", "error")}
+        if bad:
+            s, r = next(iter(bad.items()))
+            if r["status"] == "error":
+                raise ElasticError(f"slice {s}'s worker failed while waiting for {what}: {r['error']}\n"
+                                   f"{r.get('traceback', '')}")
+            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: slice {s}'s worker failed while waiting for {what}: "
+                                             f"{r['error']}")
+        return out
+
+    def _kill(self, s: int) -> None:
+        """End the process slice ``s`` ran the current group in (``ray.kill``; a stopped process on this node is
+        SIGKILLed too). A newer worker of that slice, starting meanwhile, is left alone."""
+        handle = self._handles.get(s)
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        pid = self._pids.get(s)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _stop_service(self) -> None:
+        if self._service is not None:
+            self._service.stop()
+            self._service = None
+
+
+class _RunInfo:
+    """What ``on_step`` callbacks get as ``run`` in multi-process mode (the loop's own runs are in the workers)."""
+
+    def __init__(self, view: View, start_step: int, num_devices: int) -> None:
+        self.view = view
+        self.epoch = view.epoch
+        self.slices = tuple(sorted(view.active))
+        self.start_step = start_step
+        self.num_devices = num_devices

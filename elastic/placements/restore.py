@@ -1,0 +1,62 @@
+"""A worker's restore in multi-process mode: each of its devices gets its region of every leaf.
+
+Each region is cut from the pieces held in this process (its own snapshot, the buddy copies it holds) when
+they cover it, and asked of the peers (or the keepers) only when they do not: what crosses between processes is
+what this worker does not hold. Every device receives a buffer the runtime owns (never a view of a snapshot, so
+the first step may donate it). Typed PRNG keys travel as their key data and are wrapped back.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from snapshot.errors import SnapshotStructureError
+from snapshot.image import Index, assemble, owned_copy, region, wrap_keys
+
+__all__ = ["Layout", "layout_of", "restore_state"]
+
+Layout = list[tuple[tuple[int, ...], str, str | None]]  # per leaf: stored shape, stored dtype, key impl (or None)
+
+
+def layout_of(leaves: Sequence[Any]) -> Layout:
+    """How each leaf is stored in a snapshot: shape and dtype (a typed key's key data), and the key impl."""
+    out: Layout = []
+    for leaf in leaves:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            out.append((tuple(data.shape), np.dtype(data.dtype).name, str(jax.random.key_impl(leaf))))
+        else:
+            out.append((tuple(leaf.shape), np.dtype(leaf.dtype).name, None))
+    return out
+
+
+def restore_state(abstract: Any, shardings: Any, layout: Layout, *,
+                  local: Callable[[int], list[tuple[Index, np.ndarray]]],
+                  fetch: Callable[[int, Index], np.ndarray | None], what: str) -> Any:
+    """``abstract``'s state on ``shardings``, each device's region from ``local(leaf)`` pieces when they cover it,
+    else ``fetch(leaf, region)``. Raises ``RuntimeError`` naming ``what`` when neither has a region."""
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    targets = treedef.flatten_up_to(shardings)
+    if len(layout) != len(leaves):
+        raise SnapshotStructureError(f"{what}: the snapshot holds {len(layout)} leaves, the state has {len(leaves)}")
+    placed = []
+    for i, ((shape, dtype, key_impl), sharding) in enumerate(zip(layout, targets, strict=True)):
+        pieces = local(i)
+        arrays = []
+        for device, idx in sharding.addressable_devices_indices_map(shape).items():
+            want = region(idx, shape)
+            try:
+                data = assemble(want, pieces, np.dtype(dtype)) if pieces else None
+            except SnapshotStructureError:
+                data = None
+            if data is None:
+                data = fetch(i, want)
+            if data is None:
+                raise RuntimeError(f"no process holds region {want} of leaf {i} for {what}")
+            arrays.append(owned_copy(np.asarray(data), device))
+        arr = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        placed.append(arr if key_impl is None else wrap_keys(arr, key_impl, sharding))
+    return jax.tree_util.tree_unflatten(treedef, placed)

@@ -1,0 +1,550 @@
+"""A slice's process in multi-process mode: one Ray actor per slice, on the slice's host.
+
+It is two things at once. It is the slice's *agent*: it registers with the job's supervisor, heartbeats from
+a thread of its own, and its death (its process killed, its node gone) fails the supervisor's lifeline call at
+once, so the supervisor sees a lost worker the way it sees any lost agent. And it runs the user's loop SPMD
+with its peers: the driver (:mod:`elastic.placements.processes`) hands every member of a group a
+:class:`GroupPlan`; :meth:`SliceWorker.prepare` joins the group's ``jax.distributed`` runtime in place (the
+previous group left, same process), builds the mesh over every member's devices, and restores the state
+(:mod:`elastic.placements.restore`); :meth:`SliceWorker.run_pass` runs the loop with the same
+:class:`~elastic.api.run.Run` as single-process mode, its host a :class:`~elastic.control.pass_host.PassHost`
+whose snapshots go to this worker's :class:`~elastic.placements.holdings.Holdings` (the buddy copy in the next
+member's process, keeper parts, Orbax checkpoints written by every worker). A collective broken by a dead peer
+(:func:`runtime.distributed.is_peer_loss`) ends the pass with status ``failed``; the worker waits for the next
+plan. The actor is threaded: the driver's polls, stop requests and the peers' buddy copies are served while
+the loop runs on its own thread.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import ray
+
+import runtime
+from elastic.api.run import Regroup, Run
+from elastic.api.shardings import replicate_all, state_shardings
+from elastic.config import ElasticConfig
+from elastic.control.pass_host import PassHost
+from elastic.control.report import Ledger
+from elastic.log import get_logger
+from elastic.placements.holdings import Holdings, regions_of
+from elastic.placements.restore import Layout, layout_of, restore_state
+from elastic.supervision.membership import View
+from runtime import distributed
+
+__all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
+
+FETCH_TIMEOUT_S = 30.0
+DRIVER_LEASE_S = 5.0  # a pass stops when the driver has not read its progress for this long (the driver died)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What a worker-side step hook is told as a step starts: the step, this worker's slice, ``floor`` (the
+    highest step the job had reached when the group formed: a step at or below it is being recomputed), and the
+    job's supervisor (to read the membership view)."""
+
+    step: int
+    slice: int
+    floor: int
+    supervisor: Any
+
+
+StepHook = Callable[[StepContext], None]  # run in the worker as each step starts (a drill's faults)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """What every worker of a job is built with: the job's configuration and the user's functions (pickled to
+    each worker once), the worker-side faults of a drill, and where compiled executables are cached."""
+
+    config: ElasticConfig
+    init_fn: Callable[[jax.Array], Any]
+    shardings_fn: Callable[..., Any] | None = None
+    mesh_fn: runtime.MeshFn | None = None
+    init_from: str | None = None  # an Orbax checkpoint whose state replaces init_fn's at step 0
+    step_hooks: tuple[StepHook, ...] = ()  # run in the worker as each step starts (a drill's faults)
+    cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
+    keepers: bool = False  # the job keeps keeper actors (in its namespace)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """Group ``epoch``: ``members`` (slices, in process order) served at ``address``; the state comes from
+    ``source`` (``memory``: the members' host snapshots, ``keeper``, ``persistent``, or ``fresh``) at ``step``;
+    ``peers``: every member's actor; ``pids``: the driver processes the job has had (kept in snapshots)."""
+
+    epoch: int
+    address: str
+    members: tuple[int, ...]
+    peers: dict[int, Any]
+    source: str
+    step: int | None
+    view: View
+    pids: tuple[int, ...] = ()
+    keeper: str | None = None  # the keeper to read a keeper restore from
+    rendezvous_timeout_s: int = 5
+    record_calls: bool = False  # report the jitted calls of this pass for standby compiles
+    fault_floor: int = -1  # faults at or below this step fired already (a recomputed step does not fire again)
+    loop: Any = None
+    meta_hint: dict[str, Any] = field(default_factory=dict)
+
+
+class SliceWorker:
+    """One slice's process. Wrapped by the placement with ``ray.remote(max_concurrency=...)``."""
+
+    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec) -> None:
+        self.slice = slice_index
+        self.incarnation = incarnation
+        self._supervisor = supervisor
+        self._spec = spec
+        cfg = spec.config
+        self._config = cfg
+        if spec.cache_dir:
+            jax.config.update("jax_compilation_cache_dir", spec.cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self._log = get_logger("elastic.worker", job=cfg.job_name, slice=slice_index)
+        self._holdings = Holdings(keep=cfg.keep_snapshots, on_busy=cfg.tiers.on_busy)
+        self._lock = threading.Lock()
+        self._silent = threading.Event()
+        self._stop_beats = threading.Event()
+        self._epoch = -1
+        self._aborted = threading.Event()
+        self._ended: threading.Event | None = None
+        self._stop_at: dict[int, tuple[int, View]] = {}  # epoch -> (the step the group stops before, the new view)
+        self._next_step = 0
+        self._commits: list[tuple[int, int, dict[str, Any]]] = []  # this pass's commits, in order
+        self._prepared: tuple[Any, Any, int, dict[str, Any], Ledger] | None = None
+        self._calls: list[tuple[bytes, Any]] = []  # jitted calls recorded for standby compiles
+        self._keepers: Any = None
+        self._persistent: Any = None
+        self._compile_s = 0.0
+        self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        self._started = False
+
+    def _on_duration(self, event: str, duration: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self._compile_s += duration
+
+    # -- agent duties ---------------------------------------------------------------------------------------------
+    def start(self) -> int:
+        """Register with the supervisor and start heartbeating; returns the incarnation."""
+        me = ray.get_runtime_context().current_actor
+        ray.get(self._supervisor.register.remote(self.slice, self.incarnation, me),
+                timeout=self._config.startup_timeout_s)
+        if not self._started:
+            self._started = True
+            threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+        return self.incarnation
+
+    def _beat(self) -> None:
+        me = ray.get_runtime_context().current_actor
+        interval = self._config.heartbeat_interval_s
+        while not self._stop_beats.wait(interval):
+            if self._silent.is_set():
+                continue
+            try:
+                known = ray.get(self._supervisor.heartbeat.remote(self.slice, self.incarnation), timeout=10)
+                if not known:  # the supervisor restarted or dropped us: register again
+                    ray.get(self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=10)
+            except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
+                self._log.warning("heartbeat_failed", error=repr(err)[:200])
+
+    def lifeline(self) -> None:
+        """Never returns; the caller's wait fails when this process dies."""
+        threading.Event().wait()
+
+    def silence(self) -> None:
+        """Stop heartbeating while the process lives on (as a hung agent would; the job's close silences it)."""
+        self._silent.set()
+
+    def stop_process(self) -> None:
+        """A hung host (``elastic inject --fault stop``): the whole process stops (SIGSTOP), heartbeats included."""
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+
+    def stall(self, seconds: float) -> float:
+        """No heartbeat goes out for ``seconds`` (a long pause of the host), then beating resumes."""
+        self._silent.set()
+        time.sleep(seconds)
+        self._silent.clear()
+        return time.time()
+
+    # -- what the driver and the peers ask --------------------------------------------------------------------------
+    def where(self) -> tuple[int, str]:
+        """This worker's process id and Ray node id."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def held(self) -> dict[int, dict[str, Any]]:
+        return self._holdings.held()
+
+    def piece(self, step: int, leaf: int, index: Any) -> Any:
+        return self._holdings.find(step, leaf, tuple(tuple(b) for b in index))
+
+    def meta(self, step: int) -> dict[str, Any] | None:
+        return self._holdings.meta(step)
+
+    def hold(self, slice_index: int, image: Any) -> None:
+        self._holdings.hold(slice_index, image)
+
+    def progress(self, since: int = 0) -> dict[str, Any]:
+        """The pass's progress: the next step, and the commits from index ``since`` on (step, batch, metrics as
+        numbers), with the jitted calls recorded for standby compiles once there are some."""
+        self._polled = time.monotonic()
+        commits = [(s, b, _numbers(m)) for s, b, m in self._commits[since:]]
+        return {"epoch": self._epoch, "next_step": self._next_step, "commits": commits, "pid": os.getpid(),
+                "calls": list(self._calls), "snapshots": self._holdings.stats()}
+
+    def request_stop(self, epoch: int, step: int, view: View) -> bool:
+        """Stop group ``epoch`` before ``step`` (a step boundary), for ``view``. False if this worker is past it."""
+        with self._lock:
+            self._stop_at[epoch] = (step, view)
+            return not (self._epoch == epoch and self._next_step > step)
+
+    def abort(self, epoch: int) -> bool:
+        """End group ``epoch``'s pass now (a member was lost): ``run_pass`` returns ``failed`` at once, and the
+        pass's thread records nothing more. False if this worker is not in that group's pass."""
+        with self._lock:
+            if self._epoch != epoch or self._ended is None or self._ended.is_set():
+                return False
+            self._aborted.set()
+            self._ended.set()
+            return True
+
+    # -- a group -----------------------------------------------------------------------------------------------------
+    def prepare(self, plan: GroupPlan) -> dict[str, Any]:
+        """Join group ``plan.epoch`` (leaving the previous one), build its mesh and put the state on it."""
+        start = time.monotonic()
+        self._holdings.end()
+        self._close_tiers()
+        self._prepared = None
+        with self._lock:
+            self._epoch = plan.epoch
+        index = plan.members.index(self.slice)
+        out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch}
+        try:
+            out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
+                                                       timeout_s=plan.rendezvous_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
+            return {**out, "status": "failed", "error": f"the rendezvous of group {plan.epoch} failed: "
+                    f"{type(err).__name__}: {str(err)[:300]}"}
+        self._compile_s = 0.0
+        try:
+            mesh = self._mesh(plan.members)
+            abstract = jax.eval_shape(self._spec.init_fn, jax.random.key(self._config.seed))
+            shardings = state_shardings(abstract, self._spec.shardings_fn or replicate_all(abstract), mesh)
+            state, meta = self._restore(plan, abstract, shardings)
+        except Exception as err:  # noqa: BLE001 - classified by the driver: a lost peer is recovered
+            return {**out, "status": "failed" if distributed.is_peer_loss(err) else "error",
+                    "error": f"{type(err).__name__}: {str(err)[:400]}", "traceback": traceback.format_exc()[-2000:]}
+        ledger = Ledger()
+        if meta is not None:
+            ledger.steps, ledger.batches = Ledger.expand(meta["ledger"])
+            self._holdings.forget_after(plan.step or 0)
+        extras = dict(meta["extras"]) if meta is not None else {}
+        self._prepared = (mesh, state, plan.step or 0, extras, ledger)
+        self._begin_tiers(plan, mesh)
+        out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3))
+        return out
+
+    def _mesh(self, members: tuple[int, ...]) -> Any:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        slices = [runtime.Slice(index=s, devices=tuple(d for d in devices if d.process_index == p))
+                  for p, s in enumerate(members)]
+        return runtime.build_mesh(slices, self._spec.mesh_fn)
+
+    def _restore(self, plan: GroupPlan, abstract: Any, shardings: Any) -> tuple[Any, dict[str, Any] | None]:
+        if plan.source == "fresh":
+            if self._spec.init_from is not None:
+                from elastic.api import orbax_io
+
+                path, _ = orbax_io.resolve(self._spec.init_from)
+                return orbax_io.restore_onto(path, abstract, shardings), None
+            return jax.jit(self._spec.init_fn, out_shardings=shardings)(jax.random.key(self._config.seed)), None
+        step = plan.step
+        assert step is not None
+        if plan.source == "persistent":
+            from snapshot.persistent import PersistentTier
+
+            tier = PersistentTier(self._config.tiers.persistent_dir, every=self._config.tiers.persistent_every,  # type: ignore[arg-type]
+                                  job=self._config.job_name)
+            try:
+                target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                                abstract, shardings)
+                _, state, meta = tier.load(target, step=step)
+            finally:
+                tier.close()
+            return state, meta
+        if plan.source == "keeper":
+            keepers = self._keeper_tier()
+            meta = keepers.part_meta(plan.keeper, step) if keepers is not None else None
+            if meta is None:
+                raise RuntimeError(f"keeper {plan.keeper} no longer holds step {step}")
+
+            def fetch(leaf: int, index: Any) -> Any:
+                return keepers.region(plan.keeper, step, leaf, index)
+
+            return restore_state(abstract, shardings, _layout(meta), local=lambda leaf: [], fetch=fetch,
+                                 what=f"step {step} from the keepers"), meta
+        meta = self._holdings.meta(step) or self._ask(plan, lambda peer: peer.meta.remote(step), f"meta of step {step}")
+
+        def fetch_peer(leaf: int, index: Any) -> Any:
+            return self._ask(plan, lambda peer: peer.piece.remote(step, leaf, index), f"leaf {leaf} {index}",
+                             required=False)
+
+        state = restore_state(abstract, shardings, _layout(meta), local=lambda leaf: self._holdings.pieces(step, leaf),
+                              fetch=fetch_peer, what=f"step {step} from the group's host snapshots")
+        return state, meta
+
+    def _ask(self, plan: GroupPlan, call: Callable[[Any], Any], what: str, *, required: bool = True) -> Any:
+        """The first answer that is not None from the group's other members (bounded per peer)."""
+        for slice_index, peer in plan.peers.items():
+            if slice_index == self.slice:
+                continue
+            try:
+                got = ray.get(call(peer), timeout=FETCH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a peer gone meanwhile: ask the next
+                continue
+            if got is not None:
+                return got
+        if not required:
+            return None
+        raise RuntimeError(f"no member of group {plan.epoch} holds the {what} of step {plan.step}")
+
+    # -- tiers of a group ------------------------------------------------------------------------------------------
+    def _keeper_tier(self) -> Any:
+        if not self._spec.keepers:
+            return None
+        if self._keepers is None:
+            from snapshot.keeper import KeeperTier
+
+            self._keepers = KeeperTier.attach(self._config.namespace)
+        return self._keepers
+
+    def _begin_tiers(self, plan: GroupPlan, mesh: Any) -> None:
+        members = plan.members
+        me = members.index(self.slice)
+        send = []
+        if len(members) > 1:  # the buddy: the next member; its copy lives in its own process
+            buddy = plan.peers[members[(me + 1) % len(members)]]
+            send.append(lambda image: buddy.hold.remote(self.slice, image))
+        every = self._config.tiers.keeper_every
+        keepers = self._keeper_tier() if every else None
+        if keepers is not None:
+            counter = {"n": 0}
+
+            def to_keepers(image: Any) -> None:
+                counter["n"] += 1
+                if counter["n"] % every == 0:
+                    keepers.push_part(image, self.slice)
+
+            send.append(to_keepers)
+        process_of = {d.id: d.process_index for d in mesh.devices.flat}
+        self._holdings.begin(lambda d: process_of.get(d.id, d.process_index), send)
+        if self._config.tiers.persistent_dir is not None:
+            from snapshot.persistent import PersistentTier
+
+            self._persistent = PersistentTier(self._config.tiers.persistent_dir,
+                                              every=self._config.tiers.persistent_every, job=self._config.job_name)
+
+    def _close_tiers(self) -> None:
+        if self._persistent is not None:
+            try:
+                self._persistent.close()
+            except Exception as err:  # noqa: BLE001 - a broken group cannot finish a collective write
+                self._log.warning("persistent_close_failed", error=repr(err)[:200])
+            self._persistent = None
+
+    def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
+        leaves = jax.tree_util.tree_leaves(state)
+        meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed,
+                "_regions": regions_of(leaves), "_layout": layout_of(leaves)}
+        self._holdings.save(next_step, state, meta)
+        if self._persistent is not None and self._persistent.due(next_step):
+            self._persistent.save(next_step, state, meta)
+
+    # -- one pass of the loop ------------------------------------------------------------------------------------------
+    def run_pass(self, plan: GroupPlan) -> dict[str, Any]:
+        """Run the user's loop over the prepared group; returns how the pass ended and its commits."""
+        assert self._prepared is not None, "run_pass before prepare"
+        with self._lock:
+            self._aborted = aborted = threading.Event()  # this pass's: an abandoned thread keeps seeing its own
+            self._ended = ended = threading.Event()
+            self._commits = commits = []
+            self._polled = time.monotonic()
+        out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch}
+        failure: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                self._pass(plan, out, commits, aborted)
+            except _Aborted:
+                pass
+            except Exception as err:  # noqa: BLE001 - classified: a dead peer is recovered, the rest reported
+                kind = runtime.classify_failure(err)
+                status = "hung" if kind is runtime.FailureKind.HUNG else (
+                    "failed" if distributed.is_peer_loss(err) else "error")
+                failure.update(status=status, failed_at=time.time(), error=f"{type(err).__name__}: {str(err)[:400]}",
+                               traceback=traceback.format_exc()[-2000:])
+            finally:
+                ended.set()
+
+        # The pass runs on its own thread so that abort() can end it while a collective is stuck on a dead peer
+        # (gloo notices only on its timeout): that thread is abandoned, and ends by itself on the timeout.
+        thread = threading.Thread(target=body, name=f"pass-{plan.epoch}", daemon=True)
+        thread.start()
+        ended.wait()
+        if aborted.is_set():
+            out.update(status="failed", failed_at=time.time(), aborted=True,
+                       error="aborted: the driver saw a member of the group lost")
+        else:
+            thread.join()
+            out.update(failure)
+        out["commits"] = [(s, b, _numbers(m)) for s, b, m in commits]
+        out["next_step"] = self._next_step
+        out["compile_seconds"] = round(self._compile_s, 4)
+        out["snapshots"] = self._holdings.stats()
+        return out
+
+    def _pass(self, plan: GroupPlan, out: dict[str, Any], commits: list[Any], aborted: threading.Event) -> None:
+        assert self._prepared is not None
+        mesh, state, start, extras, ledger = self._prepared
+        self._prepared = None
+        self._next_step = start
+        first_commit: list[float] = []
+
+        def on_commit(run: Run, step: int, new_state: Any, batch: int, metrics: dict[str, Any]) -> None:
+            with self._lock:  # abort() waits for a commit in progress; none starts after it
+                if aborted.is_set():
+                    raise _Aborted(f"group {plan.epoch} was aborted at step {step}")
+                ledger.commit(step, batch)
+                commits.append((step, batch, metrics))
+                self._next_step = step + 1
+            if not first_commit:
+                first_commit.append(time.time())
+                out["first_step_compile_seconds"] = round(self._compile_s, 4)
+
+        def changed(next_step: int) -> View | None:
+            with self._lock:
+                if aborted.is_set():
+                    raise _Aborted(f"group {plan.epoch} was aborted before step {next_step}")
+                stop = self._stop_at.get(plan.epoch)
+            return stop[1] if stop is not None and next_step >= stop[0] else None
+
+        def before(step: int) -> None:
+            self._next_step = step
+            silent = time.monotonic() - self._polled
+            if silent > DRIVER_LEASE_S:  # a worker must not train on for a dead driver (Ray ends it soon)
+                raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: the driver has not read this pass's progress for "
+                                                 f"{silent:.1f}s (more than {DRIVER_LEASE_S}s): it is gone or stuck")
+            if self._spec.step_hooks:
+                context = StepContext(step=step, slice=self.slice, floor=plan.fault_floor, supervisor=self._supervisor)
+                for hook in self._spec.step_hooks:
+                    hook(context)
+
+        def record(fn: Callable[..., Any], args: tuple[Any, ...], mesh_: Any) -> None:
+            if plan.record_calls:
+                self._record(fn, args, mesh_)
+
+        host = PassHost(self._config, save=lambda n, s, e: self._save(plan, ledger, n, s, e), changed=changed,
+                        on_commit=on_commit, before=before, record=record, snapshot_soon=plan.source != "fresh")
+        run = Run(host, view=plan.view, mesh=mesh, state=state, start_step=start, extras=extras)
+        del state
+        if plan.source == "fresh":
+            host.save(0, run.state, {})
+        try:
+            self._loop_of(plan)(run)
+            out.update(status="finished", ledger=ledger.to_meta())
+        except Regroup:
+            out.update(status="regroup", ledger=ledger.to_meta())
+        finally:
+            out["first_commit_at"] = first_commit[0] if first_commit else None
+            self._final = run.state
+
+    def _loop_of(self, plan: GroupPlan) -> Callable[[Run], Any]:
+        """The user's loop (sent once per job, as an object reference; kept here after the first pass)."""
+        if not isinstance(plan.loop, ray.ObjectRef):
+            return plan.loop
+        if getattr(self, "_loop_ref", None) != plan.loop:
+            self._loop_ref, self._loop = plan.loop, ray.get(plan.loop)
+        return self._loop
+
+    def _record(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Any) -> None:
+        """Note a jitted call (pickled function, its signature relative to the mesh) for the standby group."""
+        import cloudpickle
+
+        try:
+            signature = runtime.standby.Signature.of(args, mesh)
+            parts = runtime.standby.portable(fn)
+            if signature is not None and parts is not None:
+                self._calls.append((cloudpickle.dumps(parts), signature))
+        except Exception as err:  # noqa: BLE001 - an optimisation must never fail a step
+            self._log.info("standby_record_skipped", error=repr(err)[:200])
+
+    # -- the end ------------------------------------------------------------------------------------------------------
+    def final_pieces(self) -> dict[str, Any]:
+        """This worker's pieces of the final state (its own regions, host arrays) per leaf, and the state's layout
+        (typed keys as their key data)."""
+        state = getattr(self, "_final", None)
+        if state is None:
+            return {"layout": [], "pieces": []}
+        from snapshot.image import region
+
+        leaves = jax.tree_util.tree_leaves(state)
+        out = []
+        for leaf in leaves:
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            seen: dict[Any, Any] = {}
+            for shard in leaf.addressable_shards:
+                index = region(shard.index, tuple(leaf.shape))
+                if index not in seen:
+                    seen[index] = jax.device_get(shard.data)
+            out.append(list(seen.items()))
+        return {"layout": layout_of(leaves), "pieces": out}
+
+    def save_final(self, path: str) -> None:
+        """Write the final state to ``path`` with Orbax (every worker its own shards)."""
+        from elastic.api import orbax_io
+
+        from etils import epath
+
+        orbax_io.save_final(epath.Path(path), self._final)
+
+    def leave(self) -> float:
+        """Leave the group (the job ends): snapshots closed, the runtime torn down. Seconds it took."""
+        self._holdings.end()
+        self._close_tiers()
+        self._prepared = self._final = None
+        self._stop_beats.set()
+        return distributed.leave() if distributed.joined() else 0.0
+
+
+class _Aborted(BaseException):
+    """Ends an abandoned pass: the driver aborted the group while this thread was still in it."""
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics a step committed, as Python numbers (arrays already computed: commit waited for them)."""
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _layout(meta: dict[str, Any]) -> Layout:
+    return [tuple(x) for x in meta["_layout"]]  # type: ignore[misc]
