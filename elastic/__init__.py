@@ -11,13 +11,13 @@ from typing import Any
 
 __all__ = (
     "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
-    "Policy", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "SupervisorLostError", "Tiers", "Trainer", "View", "decide",
+    "Policy", "Processes", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "SupervisorLostError", "Tiers", "Trainer", "View", "decide",
     "optax_step",
 )
 
 _WHERE = {
     "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
-    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Tiers": "config", "ElasticJob": "api.job",
+    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Processes": "config", "Tiers": "config", "ElasticJob": "api.job",
     "JobResult": "api.job", "Faults": "chaos.faults", "Run": "api.run", "Report": "control.report",
     "Trainer": "api.trainer", "OptaxStep": "api.trainer", "optax_step": "api.trainer", "View": "supervision.membership",
     "decide": "supervision.policy",

@@ -63,9 +63,8 @@ class Processes:
     ``settle_timeout_s``: after a failure, a member still inside the pass past this is hung: killed, replaced.
     ``resources_per_worker``: what one worker needs of a node (``{"GPU": 8}``, or a custom host resource such
     as ``{"trainer_host": 1}``); Ray places each worker where that is free. Empty: anywhere.
-    ``replace_lost``: start a new process for a slice whose worker died (not when its node died), which joins
-    at a step boundary once up. ``node_store``: workers also keep their host snapshots in files on their node
-    (tmpfs) that outlive the process, so a replacement on that node takes them over. ``standby``: compile the
+    ``replace_lost``: start a new process for a slice whose worker died, which joins at a step boundary once up
+    (where the node died too, Ray places it elsewhere: see ``resources_per_worker``). ``standby``: compile the
     step for the group one slice smaller in the background (a short-lived group of helper processes writing
     JAX's persistent compilation cache), so the first step after a loss does not compile.
     """
@@ -75,14 +74,13 @@ class Processes:
     settle_timeout_s: float = 15.0
     resources_per_worker: Mapping[str, float] = field(default_factory=dict)
     replace_lost: bool = True
-    node_store: bool = False
     standby: bool = True
 
     def __post_init__(self) -> None:
         _count("processes.collective_timeout_s", self.collective_timeout_s)
         _count("processes.rendezvous_timeout_s", self.rendezvous_timeout_s)
         _positive("processes.settle_timeout_s", self.settle_timeout_s)
-        for name in ("replace_lost", "node_store", "standby"):
+        for name in ("replace_lost", "standby"):
             _instance(f"processes.{name}", getattr(self, name), bool)
         if not isinstance(self.resources_per_worker, Mapping):
             raise ConfigError(f"processes.resources_per_worker must map resource names to amounts, got "

@@ -104,11 +104,12 @@ def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 
 
     Must run before this process's backend starts (or after :func:`leave`). Raises if already joined.
 
-    Once joined, the process lives and dies with the group's service: when the service is gone for
-    ``heartbeat_timeout_s`` (its host, the job's driver, died), jax aborts this process. That is what a worker
-    should do when its driver is gone; a driver stops a service only once every member has left it. (jax reports
-    such an error through a callback that cannot be given a Python function here: the status it passes has no
-    Python conversion, so a Python callback aborts the process too; measured with jax 0.10.2.)"""
+    A rendezvous that fails (a member never came) raises here, in Python: jax's default handler for the client's
+    errors would abort the process, so a handler of ours is installed. Once joined, though, the process lives and
+    dies with the group's service: when the service is gone for ``heartbeat_timeout_s`` (its host, the job's
+    driver, died), the client reports it through that handler with a status that has no Python conversion, and
+    the process aborts (``std::bad_cast``; measured with jax 0.10.2). That is what a worker should do when its
+    driver is gone; a driver stops a service only once every member has left it."""
     from jax._src.lib import _jax
 
     state = _state()
@@ -118,13 +119,18 @@ def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 
         raise ValueError(f"process_id {process_id} not in 0..{num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     client = _jax.get_distributed_runtime_client(address, process_id, init_timeout=timeout_s,
-                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s)
+                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s,
+                                                 missed_heartbeat_callback=_client_error)
     client.connect()
     state.coordinator_address = address
     state.process_id = process_id
     state.num_processes = num_processes
     state.partition_index = None
     state.client = client
+
+
+def _client_error(*status: object) -> None:
+    """The client's error handler (see :func:`join`): reached only for errors after the rendezvous."""
 
 
 def leave() -> float:

@@ -197,6 +197,18 @@ class Holdings:
         except SnapshotStructureError:
             return None
 
+    def overlapping(self, step: int, leaf: int, index: Index) -> list[tuple[Index, np.ndarray]]:
+        """The parts of the pieces held here of leaf ``leaf`` at ``step`` that overlap region ``index``, each cut to
+        the overlap (fresh arrays): what this worker can give towards that region."""
+        out = []
+        for held, data in self.pieces(step, leaf):
+            bounds = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(held, index, strict=True))
+            if any(lo >= hi for lo, hi in bounds):
+                continue
+            cut = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(bounds, held, strict=True))
+            out.append((bounds, np.array(data[cut], copy=True)))
+        return out
+
     def image(self, step: int) -> HostImage | None:
         """This worker's own generation of ``step``, if held."""
         return self._images(step)[0]

@@ -43,6 +43,7 @@ from runtime import distributed
 __all__ = ["ProcessPlacement", "WorkerProcesses"]
 
 POLL_S = 0.02  # how often a pass's progress is read
+RENEW_S = 0.5  # how often every member is told the driver lives (the workers' lease; worker.DRIVER_LEASE_S)
 STOP_MARGIN_STEPS = 2  # a boundary for a new view is planned this many steps after the progress seen
 PROBE_S = 10.0  # a worker that does not answer a ping within this is dead (a stopped process, a lost node)
 
@@ -213,6 +214,7 @@ class ProcessPlacement:
         next_step = plan.step or 0
         stop: View | None = None
         run = _RunInfo(plan.view, plan.step or 0, len(plan.members) * self.config.devices_per_slice)
+        renewed = time.monotonic()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
             for ref in ready:
@@ -244,6 +246,10 @@ class ProcessPlacement:
                 continue
             if not pending:
                 break
+            if time.monotonic() - renewed > RENEW_S:
+                renewed = time.monotonic()
+                for s in pending.values():
+                    handles[s].renew.remote()
             got = self._progress(handles, pending.values(), seen)
             if got is not None:
                 for step, batch, metrics in got["commits"]:

@@ -33,11 +33,14 @@ def layout_of(leaves: Sequence[Any]) -> Layout:
     return out
 
 
-def restore_state(abstract: Any, shardings: Any, layout: Layout, *,
-                  local: Callable[[int], list[tuple[Index, np.ndarray]]],
-                  fetch: Callable[[int, Index], np.ndarray | None], what: str) -> Any:
+Pieces = list[tuple[Index, np.ndarray]]
+
+
+def restore_state(abstract: Any, shardings: Any, layout: Layout, *, local: Callable[[int], Pieces],
+                  fetch: Callable[[int, Index, Pieces], Pieces], what: str) -> Any:
     """``abstract``'s state on ``shardings``, each device's region from ``local(leaf)`` pieces when they cover it,
-    else ``fetch(leaf, region)``. Raises ``RuntimeError`` naming ``what`` when neither has a region."""
+    else with the pieces ``fetch(leaf, region, have)`` brings (what other processes hold of it; ``have``: the
+    pieces at hand). Raises ``RuntimeError`` naming ``what`` when they do not cover a region."""
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     targets = treedef.flatten_up_to(shardings)
     if len(layout) != len(leaves):
@@ -48,15 +51,27 @@ def restore_state(abstract: Any, shardings: Any, layout: Layout, *,
         arrays = []
         for device, idx in sharding.addressable_devices_indices_map(shape).items():
             want = region(idx, shape)
-            try:
-                data = assemble(want, pieces, np.dtype(dtype)) if pieces else None
-            except SnapshotStructureError:
-                data = None
+            data = _assemble(want, pieces, dtype)
             if data is None:
-                data = fetch(i, want)
+                pieces = pieces + fetch(i, want, pieces)
+                data = _assemble(want, pieces, dtype)
             if data is None:
                 raise RuntimeError(f"no process holds region {want} of leaf {i} for {what}")
             arrays.append(owned_copy(np.asarray(data), device))
         arr = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         placed.append(arr if key_impl is None else wrap_keys(arr, key_impl, sharding))
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _assemble(want: Index, pieces: Pieces, dtype: str) -> np.ndarray | None:
+    if not pieces:
+        return None
+    try:
+        return assemble(want, pieces, np.dtype(dtype))
+    except SnapshotStructureError:
+        return None
+
+
+def covers(want: Index, pieces: Pieces, dtype: str) -> bool:
+    """Whether ``pieces`` cover region ``want``."""
+    return _assemble(want, pieces, dtype) is not None

@@ -36,7 +36,7 @@ from elastic.control.pass_host import PassHost
 from elastic.control.report import Ledger
 from elastic.log import get_logger
 from elastic.placements.holdings import Holdings, regions_of
-from elastic.placements.restore import Layout, layout_of, restore_state
+from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.supervision.membership import View
 from runtime import distributed
 
@@ -189,8 +189,9 @@ class SliceWorker:
     def held(self) -> dict[int, dict[str, Any]]:
         return self._holdings.held()
 
-    def piece(self, step: int, leaf: int, index: Any) -> Any:
-        return self._holdings.find(step, leaf, tuple(tuple(b) for b in index))
+    def pieces(self, step: int, leaf: int, index: Any) -> list[tuple[Any, Any]]:
+        """What this worker holds of region ``index`` of leaf ``leaf`` at ``step`` (pieces cut to it)."""
+        return self._holdings.overlapping(step, leaf, tuple(tuple(b) for b in index))
 
     def meta(self, step: int) -> dict[str, Any] | None:
         return self._holdings.meta(step)
@@ -205,6 +206,10 @@ class SliceWorker:
         commits = [(s, b, _numbers(m)) for s, b, m in self._commits[since:]]
         return {"epoch": self._epoch, "next_step": self._next_step, "commits": commits, "pid": os.getpid(),
                 "calls": list(self._calls), "snapshots": self._holdings.stats()}
+
+    def renew(self) -> None:
+        """The driver is alive (its lease on this worker's pass; see ``DRIVER_LEASE_S``)."""
+        self._polled = time.monotonic()
 
     def request_stop(self, epoch: int, step: int, view: View) -> bool:
         """Stop group ``epoch`` before ``step`` (a step boundary), for ``view``. False if this worker is past it."""
@@ -292,18 +297,31 @@ class SliceWorker:
             if meta is None:
                 raise RuntimeError(f"keeper {plan.keeper} no longer holds step {step}")
 
-            def fetch(leaf: int, index: Any) -> Any:
-                return keepers.region(plan.keeper, step, leaf, index)
+            def fetch(leaf: int, index: Any, have: Any) -> Any:
+                data = keepers.region(plan.keeper, step, leaf, index)
+                return [] if data is None else [(index, data)]
 
             return restore_state(abstract, shardings, _layout(meta), local=lambda leaf: [], fetch=fetch,
                                  what=f"step {step} from the keepers"), meta
         meta = self._holdings.meta(step) or self._ask(plan, lambda peer: peer.meta.remote(step), f"meta of step {step}")
 
-        def fetch_peer(leaf: int, index: Any) -> Any:
-            return self._ask(plan, lambda peer: peer.piece.remote(step, leaf, index), f"leaf {leaf} {index}",
-                             required=False)
+        layout = _layout(meta)
 
-        state = restore_state(abstract, shardings, _layout(meta), local=lambda leaf: self._holdings.pieces(step, leaf),
+        def fetch_peer(leaf: int, index: Any, have: Any) -> Any:
+            """The peers' pieces of the region, asked one peer after another until they cover it."""
+            got: list[Any] = []
+            for slice_index, peer in plan.peers.items():
+                if slice_index == self.slice:
+                    continue
+                try:
+                    got += ray.get(peer.pieces.remote(step, leaf, index), timeout=FETCH_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - a peer gone meanwhile: ask the next
+                    continue
+                if covers(index, have + got, layout[leaf][1]):
+                    break
+            return got
+
+        state = restore_state(abstract, shardings, layout, local=lambda leaf: self._holdings.pieces(step, leaf),
                               fetch=fetch_peer, what=f"step {step} from the group's host snapshots")
         return state, meta
 
