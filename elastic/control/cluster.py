@@ -163,8 +163,9 @@ class ActorGroup:
         else:
             self._take_over(existing)
         self.run = self.run or events.new_run(cfg.job_name)
-        # On the client's node by preference: a host loss elsewhere must not take the supervisor with it.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
+        # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.supervisor = Supervisor.options(
             name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
         ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
@@ -265,6 +266,25 @@ class ActorGroup:
             self._starting[index] = (incarnation, agent.start.remote(),
                                      time.monotonic() + self._config.startup_timeout_s)
         self._log.warning("agent_revived", slice=index, incarnation=incarnation)
+        return True
+
+    def incarnation(self, index: int) -> int | None:
+        """The incarnation of slice ``index``'s newest agent."""
+        with self._lock:
+            return self._incarnations.get(index)
+
+    def replace(self, index: int, dead: int) -> bool:
+        """Start a new agent for slice ``index`` whose agent incarnation ``dead`` is known dead (multi-process mode:
+        its worker process died), unless a newer one is starting or runs. True if one was started."""
+        with self._lock:
+            if self._stop.is_set() or index in self._starting or self._incarnations.get(index) != dead:
+                return False
+            agent = self._spawn(index)
+            incarnation = self._incarnations[index]
+            self._starting[index] = (incarnation, agent.start.remote(),
+                                     time.monotonic() + self._config.startup_timeout_s)
+            self.respawns.append((index, incarnation))
+        self._log.warning("agent_replaced", slice=index, incarnation=incarnation, dead_incarnation=dead)
         return True
 
     def respawn_now(self) -> None:

@@ -93,6 +93,10 @@ class Placement(Protocol):
     def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
         """Which of ``slices`` do not answer within ``timeout_s`` (dead)."""
 
+    def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
+        """For a report of ``slices`` as lost: the agent incarnation of each that was seen failing (None: the
+        newest), and whether their hardware is suspect (no new agent is started for them by respawning)."""
+
     def final_state(self) -> Any:
         """The state after the last committed step."""
 

@@ -138,6 +138,9 @@ class LocalPlacement:
         """Which slices do not answer a tiny computation within ``timeout_s`` (one that does not is dead)."""
         return frozenset(runtime.probe_slices(self._topology.select(slices), timeout_s=timeout_s))
 
+    def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
+        return None, True  # a slice that failed in this process: its hardware is suspect
+
     def final_state(self) -> Any:
         return self._state
 

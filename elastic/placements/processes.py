@@ -87,12 +87,14 @@ class ProcessPlacement:
         self._plan: GroupPlan | None = None
         self._members: tuple[int, ...] = ()
         self._handles: dict[int, Any] = {}  # the current group's workers
+        self._incarnations: dict[int, int] = {}  # and their agent incarnations
         self._aborted_epoch = -1
         self._service: distributed.CoordinationService | None = None
         self._loop_ref: Any = None
         self._reached = -1  # the highest step any pass started (a drill's fault fires only past it)
         self._last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
         self._pids: dict[int, int] = {}
+        self._nodes: dict[int, str] = {}  # slice -> the Ray node its worker of the current group runs on
         self._calls: list[Any] = []  # the lead's jitted calls, for the standby group
         self._stats: dict[str, Any] = {}  # the lead's latest snapshot counters
         self._snapshots: dict[int, dict[str, Any]] = {}  # slice -> its snapshot counters at its last pass end
@@ -116,6 +118,7 @@ class ProcessPlacement:
         for s in set(previous) - set(members):  # a member left out (stopped, hung, not yet dead): end that process
             self._kill(s)
         handles = {s: group.agent(s) for s in members}
+        incarnations = {s: group.incarnation(s) for s in members}
         helds = self._ask(handles, "held", timeout=30.0)
         holders = [s for s in members if any(h["own"] for h in helds[s].values())]
         source, step, keeper, tier = self._source(helds, holders, live=live, previous=previous)
@@ -139,10 +142,12 @@ class ProcessPlacement:
             if old is not None:
                 old.stop()
         self._plan, self._members, self._handles = plan, members, handles
+        self._incarnations = {s: i for s, i in incarnations.items() if i is not None}
         for s, res in results.items():  # a member that ran the last group in another process was restarted
             if s in self._last_pid and res["pid"] != self._last_pid[s] and s in previous:
                 self.figures["worker_processes_restarted"] += 1
             self._last_pid[s] = self._pids[s] = res["pid"]
+            self._nodes[s] = res.get("node", "")
         self.figures["worker_pids"] = dict(self._pids)
         reform = max(r.get("reform_seconds") or 0.0 for r in results.values())
         if self._recovering:
@@ -225,6 +230,8 @@ class ProcessPlacement:
                     lost.add(s)
                     failed_at = failed_at or time.time()
                     self._acct.timeline.add("worker_lost", slice=s, epoch=plan.view.epoch)
+                    if self._procs.replace_lost and s in self._incarnations:  # a new process for it, at once
+                        self._group().replace(s, self._incarnations[s])
                     continue
                 if results[s]["status"] not in ("finished", "regroup"):
                     failed_at = failed_at or results[s].get("failed_at") or time.time()
@@ -235,7 +242,6 @@ class ProcessPlacement:
                     self._aborted_epoch = plan.epoch
                     for s in pending.values():  # the rest may wait on the lost one until the collective timeout
                         handles[s].abort.remote(plan.epoch)
-                    self._group().respawn_now()
                 if time.time() - failed_at > self._procs.settle_timeout_s:
                     for s in list(pending.values()):
                         self._kill(s)
@@ -264,6 +270,18 @@ class ProcessPlacement:
                     self._prepare_standby(len(plan.members))
             host.before_step(next_step)  # the drill's driver-side faults (a revive), the stall reporter
             view = host.view
+            gone = set(plan.members) - view.active
+            if gone and view.gave_up is None:  # the supervisor dropped a member (silent: a hung host): end the pass
+                failed_at = time.time()
+                for ref, s in list(pending.items()):
+                    if s in gone:
+                        self._kill(s)
+                        lost.add(s)
+                        del pending[ref]
+                        self.figures["workers_hung_killed"] += 1
+                        self._acct.timeline.add("worker_stuck_killed", slice=s, epoch=plan.view.epoch,
+                                                reason=view.reason)
+                continue
             if stop is None and view.epoch != plan.view.epoch:
                 stop = view
                 at = next_step + STOP_MARGIN_STEPS
@@ -291,7 +309,7 @@ class ProcessPlacement:
         if failed:
             self._failed_at = time.time()
             self._recovering = True
-            self.figures["survivors_lost"] += len(lost - self._targeted(plan, lost))
+            self.figures["survivors_lost"] += len(self._collateral(lost - self._targeted(plan, lost)))
             if not lost and all(results[s]["status"] == "hung" for s in failed):
                 raise runtime.StepHungError(f"group {plan.epoch}'s step", self.config.step_timeout_s or 0.0,
                                             hint=str(results[failed[0]].get("error"))[:300])
@@ -317,6 +335,11 @@ class ProcessPlacement:
                 if fault.slice in lost and fault.kind in ("kill", "silence", "hang"):
                     targeted.add(fault.slice)
         return targeted
+
+    def _collateral(self, lost: set[int]) -> set[int]:
+        """The lost workers whose node lives on: not taken by their host's loss, they died with a peer's failure."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return {s for s in lost if self._nodes.get(s) in alive}
 
     def _commit(self, host: PlacementHost, step: int, batch: int, metrics: dict[str, Any], plan: GroupPlan,
                 run: _RunInfo) -> None:
@@ -359,10 +382,10 @@ class ProcessPlacement:
                 dead.add(s)
         return frozenset(dead)
 
-    @property
-    def hardware_suspect(self) -> bool:
-        """A worker that does not answer lost its process, not (necessarily) its hardware: it may be replaced."""
-        return False
+    def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
+        """The incarnations of the group's workers that were seen failing; a worker that does not answer lost its
+        process, not (necessarily) its hardware: a new one may be started for its slice."""
+        return {s: self._incarnations[s] for s in slices if s in self._incarnations}, False
 
     def final_state(self) -> Any:
         """The final state as host arrays, assembled from every worker's own regions (typed keys wrapped back).

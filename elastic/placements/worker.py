@@ -237,7 +237,8 @@ class SliceWorker:
         with self._lock:
             self._epoch = plan.epoch
         index = plan.members.index(self.slice)
-        out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch}
+        out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch,
+                               "node": ray.get_runtime_context().get_node_id()}
         try:
             out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
                                                        timeout_s=plan.rendezvous_timeout_s)

@@ -197,16 +197,25 @@ class Supervisor:
             raise SupervisorError(f"{command} refused: it does not carry job {self._job!r}'s token (commands are "
                                   "accepted only from the job's own client, or an operator holding its token)")
 
-    async def report_lost(self, slices: list[int], cause: str, token: str | None = None) -> View:
+    async def report_lost(self, slices: list[int], cause: str, token: str | None = None,
+                          incarnations: dict[int, int] | None = None, suspect: bool = True) -> View:
         """A client saw these slices fail (e.g. its computation raised a slice-loss error): their agents are
-        refused from now on, even if they still beat."""
+        refused from now on, even if they still beat. ``incarnations``: the agent of each slice the client saw
+        fail (default: the newest; a newer one, a replacement already registering, is not refused).
+        ``suspect``: the slice's hardware is suspect (single-process mode: a slice failed in the client), so no
+        new agent is started for it by respawning; in multi-process mode a dead worker process is not."""
         self._authorize(token, "report_lost")
         for s in slices:
-            self._incarnations.pop(s, None)
-            incarnation = self._newest.get(s)
+            incarnation = (incarnations or {}).get(s, self._newest.get(s))
             if incarnation is not None:
                 self._refuse(s, incarnation, "its slice failed in the client")
-                self._client_lost.add((s, incarnation))
+                if suspect:
+                    self._client_lost.add((s, incarnation))
+                else:
+                    self._died.add((s, incarnation))
+            if self._incarnations.get(s, incarnation) != incarnation:
+                continue  # a newer agent holds the slice: it stays
+            self._incarnations.pop(s, None)
             self._observe(s, False, f"{_CLIENT_REPORT}{cause}", incarnation=incarnation)
         await self._evaluate()
         return self._view
