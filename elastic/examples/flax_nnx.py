@@ -147,11 +147,15 @@ def make_reference_step() -> Any:
     return reference_step
 
 
-def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False) -> dict[str, Any]:
-    """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary."""
+def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False,
+                mode: str = "single-process") -> dict[str, Any]:
+    """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary. ``mode``:
+    ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies)."""
+    processes = elastic.Processes() if mode == "multi-process" else None
     config = elastic.ElasticConfig(job_name="flax-nnx", num_slices=4, devices_per_slice=2, num_steps=steps,
                                    snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0))
+                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
+                                   processes=processes)
     faults = elastic.Faults().kill_slice(1, at_step=kill_at).revive_slice(1, at_step=revive_at)
     adapter, placements = make_adapter(), Placements()
     job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults,
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=13)
     parser.add_argument("--revive-at", type=int, default=27)
+    parser.add_argument("--mode", choices=("single-process", "multi-process"), default="single-process",
+                        help="multi-process: each slice a worker process (jax.distributed); the reference runs here")
     args = parser.parse_args(argv)
     sys.stdout.flush()
     result = os.fdopen(os.dup(1), "w")  # stdout holds the result only: anything else on fd 1 goes to stderr
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.log import configure_logging
 
     configure_logging(logging.ERROR)
-    out = run_example(steps=args.steps, kill_at=args.kill_at, revive_at=args.revive_at, verify=args.verify)
+    out = run_example(steps=args.steps, kill_at=args.kill_at, revive_at=args.revive_at, verify=args.verify,
+                      mode=args.mode)
     if args.json:
         print(json.dumps(out), file=result, flush=True)
     else:

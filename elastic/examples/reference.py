@@ -39,16 +39,20 @@ class Placements:
 
 def run_reference(job: ElasticJob, placements: Placements, step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
     """Train ``job``'s model without the library over ``placements`` (every step 0..num_steps-1 must be in it);
-    the final state. Uses the job's own topology, mesh layout, shardings, init function and seed."""
+    the final state. Uses the job's own mesh layout, shardings, init function and seed, and its topology; in
+    multi-process mode the devices are the workers', so the same slices of this process's devices stand in."""
     steps = range(job.config.num_steps)
     missing = [s for s in steps if s not in placements.slices]
     if missing:
         raise ValueError(f"placements lack steps {missing[:5]}...: record them with on_step=Placements()")
+    topology = job.topology
+    if job.config.processes is not None:
+        topology = runtime.simulated_topology(job.config.num_slices, job.config.devices_per_slice)
     state, current = None, None
     for step in steps:
         slices = placements.slices[step]
         if slices != current:
-            mesh = runtime.build_mesh(job.topology.select(frozenset(slices)), job._mesh_fn)  # noqa: SLF001
+            mesh = runtime.build_mesh(topology.select(frozenset(slices)), job._mesh_fn)  # noqa: SLF001
             shardings = job._shardings(mesh)  # noqa: SLF001 - the job's own, so the reference places alike
             if state is None:
                 state = jax.jit(job._init_fn, out_shardings=shardings)(jax.random.key(job.config.seed))  # noqa: SLF001

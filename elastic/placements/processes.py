@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -209,17 +210,31 @@ class ProcessPlacement:
         if self._loop_ref is None:
             self._loop_ref = ray.put(loop)
         plan = dataclasses.replace(plan, loop=self._loop_ref)
-        group = self._group()
-        handles = {s: group.agent(s) for s in plan.members}
+        handles = dict(self._handles)  # the group's own workers (a replacement may be starting meanwhile)
         pending = {handles[s].run_pass.remote(plan): s for s in plan.members}
+        run = _RunInfo(plan.view, plan.step or 0, len(plan.members) * self.config.devices_per_slice)
+        renewing = threading.Event()
+        threading.Thread(target=self._renew, args=(handles, renewing), name="lease", daemon=True).start()
+        try:
+            return self._watch(plan, handles, pending, host, run)
+        finally:
+            renewing.set()
+
+    def _renew(self, handles: dict[int, Any], stop: threading.Event) -> None:
+        """Tell every member the driver lives (their lease, ``worker.DRIVER_LEASE_S``), from a thread of its own: a
+        slow poll (an ``on_step`` callback, a busy host) must not end the pass; only this process's death does."""
+        while not stop.wait(RENEW_S):
+            for handle in handles.values():
+                handle.renew.remote()
+
+    def _watch(self, plan: GroupPlan, handles: dict[int, Any], pending: dict[Any, int], host: PlacementHost,
+               run: _RunInfo) -> PassEnd:
         results: dict[int, dict[str, Any]] = {}
         lost: set[int] = set()
         failed_at: float | None = None
         seen = 0  # commits of this pass accounted so far
         next_step = plan.step or 0
         stop: View | None = None
-        run = _RunInfo(plan.view, plan.step or 0, len(plan.members) * self.config.devices_per_slice)
-        renewed = time.monotonic()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
             for ref in ready:
@@ -252,10 +267,6 @@ class ProcessPlacement:
                 continue
             if not pending:
                 break
-            if time.monotonic() - renewed > RENEW_S:
-                renewed = time.monotonic()
-                for s in pending.values():
-                    handles[s].renew.remote()
             got = self._progress(handles, pending.values(), seen)
             if got is not None:
                 for step, batch, metrics in got["commits"]:
@@ -435,7 +446,17 @@ class ProcessPlacement:
         return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0, **self._stats}
 
     def wait_for_standbys(self, timeout: float) -> bool:
-        return self._standby.wait(timeout)
+        """Until the step is compiled for the group one slice smaller than the current one (False past
+        ``timeout``, or when nothing can be compiled: standby off, or below ``min_slices``)."""
+        deadline = time.monotonic() + timeout
+        smaller = len(self._members) - 1
+        if not self._procs.standby or smaller < max(1, self.config.policy.min_slices):
+            return False
+        while time.monotonic() < deadline:
+            if self._standby.ready(smaller):
+                return True
+            time.sleep(0.05)
+        return False
 
     def close(self) -> None:
         self._standby.close()
