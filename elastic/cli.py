@@ -104,7 +104,8 @@ def _chaos(args: argparse.Namespace) -> int:
     if args.verbose:
         set_verbose(True)
     scenarios = [s for s in args.scenarios.split(",") if s] if args.scenarios else None
-    runner = ChaosRunner(args.target, seed=args.seed, steps=args.steps, timeout_s=args.timeout, scenarios=scenarios)
+    target = args.target or ("elastic.demos.chaos:process_target" if args.mode == "multi-process" else None)
+    runner = ChaosRunner(target, seed=args.seed, steps=args.steps, timeout_s=args.timeout, scenarios=scenarios)
     _force_cpu_devices(runner.config.num_slices * runner.config.devices_per_slice)
 
     def progress(r: ScheduleResult) -> None:
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--index", type=int, help="replay schedule I of the seed only")
     chaos.add_argument("--target", help="module:function returning ElasticJob's arguments and loop (default: the "
                                         "demo model)")
+    chaos.add_argument("--mode", choices=("single-process", "multi-process"), default="single-process",
+                       help="the demo model's mode without --target (multi-process: a worker process per slice, its "
+                            "faults real SIGKILL/SIGSTOP); a target's config names its own")
     chaos.add_argument("--steps", type=int, help="override the target's num_steps")
     chaos.add_argument("--scenarios", help="comma-separated catalogue names to draw from (default: all that fit)")
     chaos.add_argument("--timeout", type=float, default=120.0, help="seconds a schedule may run before it is a hang")

@@ -27,8 +27,8 @@ def ray_local():
 
 # The longest files first: `make test` hands whole files to two workers (pytest-xdist, --dist loadfile) in
 # collection order, so starting with the long ones keeps one worker from finishing a long file alone at the end.
-_LONG_FIRST = ("test_chaos.py", "test_multi_controller_faults.py", "test_demo_cli.py", "test_job_submit.py",
-               "test_flax.py", "test_multi_controller.py", "test_operator_cli.py", "test_supervision_holes.py",
+_LONG_FIRST = ("test_chaos.py", "test_processes_faults.py", "test_demo_cli.py", "test_job_submit.py",
+               "test_flax.py", "test_processes.py", "test_operator_cli.py", "test_supervision_holes.py",
                "test_data_pipeline.py", "test_tiers.py")
 
 

@@ -76,13 +76,16 @@ class JobShape:
     num_steps: int
     snapshot_every: int
     survives_two: bool
+    multi: bool = False  # multi-process mode: faults are carried out by the worker processes, at step starts
 
     @classmethod
     def of(cls, config: ElasticConfig) -> JobShape:
         tiers = config.tiers
+        multi = config.processes is not None
         return cls(num_slices=config.num_slices, min_slices=config.policy.min_slices, num_steps=config.num_steps,
-                   snapshot_every=config.snapshot_every,
-                   survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None)
+                   snapshot_every=config.snapshot_every, multi=multi,
+                   survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None
+                   or (multi and tiers.keeper_every > 0))
 
     @property
     def spare(self) -> int:
@@ -101,6 +104,7 @@ class Scenario:
     build: Build
     applies: Callable[[JobShape], bool] = lambda shape: shape.spare >= 1
     since: int = 1  # the catalogue generation that added it (see the module's docstring)
+    multi: bool = False  # it applies in multi-process mode too (its faults are all at phase "step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +154,7 @@ def _later(rng: random.Random, shape: JobShape, after: int, *, gap: int = 3) -> 
 
 
 def _kill(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
-    phase: Phase = rng.choice(["step", "mid_step", "snapshot"])
+    phase: Phase = "step" if shape.multi else rng.choice(["step", "mid_step", "snapshot"])
     step = _early(rng, shape)
     if phase == "snapshot":  # the commit of this step asks for the snapshot of the next
         step = max(shape.snapshot_every - 1, step - step % shape.snapshot_every - 1)
@@ -190,7 +194,8 @@ def _silence(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Exp
 
 
 def _transient(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
-    return [ChaosFault(kind="transient", at_step=_early(rng, shape), phase=rng.choice(["step", "mid_step"]))], "finish"
+    phase: Phase = "step" if shape.multi else rng.choice(["step", "mid_step"])
+    return [ChaosFault(kind="transient", at_step=_early(rng, shape), phase=phase)], "finish"
 
 
 def _hang(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
@@ -262,18 +267,18 @@ def _two_down(shape: JobShape) -> bool:
 
 CATALOGUE: tuple[Scenario, ...] = (
     Scenario(name="kill", summary="one slice dies (agent killed, devices fail)",
-             phases=("step", "mid_step", "snapshot"), build=_kill),
+             phases=("step", "mid_step", "snapshot"), build=_kill, multi=True),
     Scenario(name="kill_revive", summary="one slice dies and comes back: shrink, then grow", phases=("step",),
-             build=_kill_revive),
+             build=_kill_revive, multi=True),
     Scenario(name="two_at_once", summary="two slices die in the same step", phases=("step",), build=_two_at_once,
-             applies=_two_down),
+             applies=_two_down, multi=True),
     Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound",
-             phases=("step",), build=_every_slice, applies=lambda shape: True),
-    Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping),
+             phases=("step",), build=_every_slice, applies=lambda shape: True, multi=True),
+    Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping, multi=True),
     Scenario(name="silence", summary="an agent stops heartbeating (hung host); the step waits until the supervisor "
-             "drops it", phases=("step",), build=_silence),
+             "drops it", phases=("step",), build=_silence, multi=True),
     Scenario(name="transient", summary="a slice-loss error with every slice healthy", phases=("step", "mid_step"),
-             build=_transient, applies=lambda shape: True),
+             build=_transient, applies=lambda shape: True, multi=True),
     Scenario(name="straggler", summary="one step is slow", phases=("mid_step",), build=_straggler,
              applies=lambda shape: True),
     Scenario(name="corrupt", summary="a byte of one copy of the newest snapshot flips, then a restore reads it",
@@ -286,7 +291,7 @@ CATALOGUE: tuple[Scenario, ...] = (
              phases=("after_grow",), build=_after("after_grow")),
     Scenario(name="hang", summary="a step never completes (a hung collective) until the step watchdog aborts it; "
              "every slice healthy, or one wedged", phases=("step",), build=_hang, applies=lambda shape: True,
-             since=2),
+             since=2, multi=True),
     Scenario(name="kill_during_restore", summary="a second slice dies while a restore's transfers are in flight",
              phases=("restore",), build=_during("restore"), applies=_two_down, since=3),
     Scenario(name="kill_during_reshard", summary="a slice dies while the live state moves onto fewer slices",
@@ -309,7 +314,8 @@ def applicable(shape: JobShape, names: Sequence[str] | None = None) -> list[Scen
         raise ConfigError(f"unknown chaos scenario(s) {unknown}; choose from {sorted(BY_NAME)}")
     if shape.num_steps < 8:
         raise ConfigError(f"chaos needs num_steps >= 8 to place its faults, got {shape.num_steps}")
-    chosen = [s for s in CATALOGUE if (names is None or s.name in names) and s.applies(shape)]
+    chosen = [s for s in CATALOGUE if (names is None or s.name in names) and s.applies(shape)
+              and (s.multi or not shape.multi)]
     if not chosen:
         raise ConfigError(f"no chaos scenario of {sorted(names or BY_NAME)} fits a job of {shape.num_slices} "
                           f"slice(s) with min_slices={shape.min_slices}")

@@ -83,7 +83,7 @@ def load_target(spec: TargetSpec) -> tuple[Target, str]:
     target = Target(**kwargs)
     if not isinstance(target.config, ElasticConfig) or not target.config.simulated:
         raise ConfigError(f"the chaos target {label} must give an elastic.ElasticConfig with simulated=True: chaos "
-                          "kills simulated slices")
+                          "kills simulated slices (in multi-process mode: worker processes on forced CPU devices)")
     return target, label
 
 
@@ -97,7 +97,10 @@ def _host_leaves(state: Any) -> dict[str, np.ndarray]:
 
 
 def _snapshot_end(job: ElasticJob) -> dict[str, Any]:
-    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted."""
+    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted (single-process mode:
+    each worker of a multi-process job holds its own)."""
+    if job.config.processes is not None:
+        return {"latest": None, "dropped": None}
     snaps = snapshotter_of(job)
     try:
         latest = job.latest_snapshot().step if len(snaps) else None
@@ -178,9 +181,12 @@ class ChaosRunner:
             if cfg.step_timeout_s != self.config.step_timeout_s:
                 self.overrides["step_timeout_s"] = cfg.step_timeout_s  # said once a hang schedule ran
         t = self._target
+        executed: list[int] = []  # multi-process mode: every commit in order, as the driver accounts it
+        multi = cfg.processes is not None
         job = ElasticJob(cfg, init_fn=t.init_fn, shardings_fn=t.shardings_fn, mesh_fn=t.mesh_fn,
-                         faults=plan.plan() if plan is not None else None)
-        seams = Seams(plan, job) if plan is not None else None
+                         faults=plan.plan() if plan is not None else None,
+                         on_step=(lambda step, metrics, run: executed.append(step)) if multi else None)
+        seams = Seams(plan, job) if plan is not None and not multi else None  # multi: every fault is in the plan
         if seams is not None:
             job.during_prepare.append(seams.during)
         loop = seams.loop(t.loop) if seams is not None else t.loop
@@ -223,7 +229,8 @@ class ChaosRunner:
             persistent_every=cfg.tiers.persistent_every if cfg.tiers.persistent_dir else None,
             outcome=box["outcome"], expect=plan.expect if plan is not None else "finish", error=box["error"],
             steps=tuple(ledger.steps), batches=tuple(ledger.batches),
-            executed=tuple(seams.executed if seams is not None else ledger.steps), recomputed=ledger.recomputed,
+            executed=tuple(seams.executed if seams is not None else executed if multi else ledger.steps),
+            recomputed=ledger.recomputed,
             restores=tuple(report.restores), slices_initial=report.slices_initial,
             min_slices_seen=report.min_slices_seen, state=box.get("state"), latest_snapshot_step=box.get("latest"),
             snapshots_dropped=box.get("dropped"), seconds=round(seconds, 3),

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic.config import ElasticConfig, Policy, Tiers
+from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, train_step
 from elastic.api.run import Run
 
-__all__ = ["demo_target"]
+__all__ = ["demo_target", "process_target"]
 
 
 def _loop(run: Run) -> Any:
@@ -30,3 +30,14 @@ def demo_target() -> dict[str, Any]:
                            heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5,
                            policy=Policy(min_slices=2, repair_timeout_s=3.0), tiers=Tiers(keeper_every=1, keepers=1))
     return {"config": config, "init_fn": init_state, "loop": _loop}
+
+
+def process_target() -> dict[str, Any]:
+    """The same job in multi-process mode (``elastic chaos --mode multi-process``): each slice a worker process,
+    whose faults are real (SIGKILL, SIGSTOP)."""
+    target = demo_target()
+    target["config"] = ElasticConfig(
+        job_name="chaos-processes", num_slices=4, devices_per_slice=2, num_steps=40, snapshot_every=5,
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, policy=Policy(min_slices=2, repair_timeout_s=3.0),
+        tiers=Tiers(keeper_every=1, keepers=1), processes=Processes(settle_timeout_s=5.0))
+    return target

@@ -127,6 +127,8 @@ class SliceWorker:
         self._keepers: Any = None
         self._persistent: Any = None
         self._compile_s = 0.0
+        self._shape_key: Any = None
+        self._shape_meta: dict[str, Any] = {}
         self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         self._started = False
@@ -387,8 +389,11 @@ class SliceWorker:
 
     def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
         leaves = jax.tree_util.tree_leaves(state)
+        key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+        if self._shape_key != key:  # the regions and layout of a state are computed once per mesh
+            self._shape_key, self._shape_meta = key, {"_regions": regions_of(leaves), "_layout": layout_of(leaves)}
         meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed,
-                "_regions": regions_of(leaves), "_layout": layout_of(leaves)}
+                **self._shape_meta}
         self._holdings.save(next_step, state, meta)
         if self._persistent is not None and self._persistent.due(next_step):
             self._persistent.save(next_step, state, meta)
