@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.examples.reference import Placements, run_reference  # noqa: E402
+from elastic.examples.reference import Placements, run_reference, run_reference_processes  # noqa: E402
 from elastic.api.flax_nnx import NnxAdapter  # noqa: E402
 
 __all__ = ["CNN", "batch", "train_step", "make_adapter", "make_loop", "make_reference_step", "max_abs_state_diff",
@@ -166,7 +166,11 @@ def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, veri
     model = adapter.module(result.state)
     out.update(global_batch=BATCH, slice_moves=placements.moves(), eval_accuracy=eval_accuracy(model),
                dropout_rng_count=int(model.dropout1.rngs.count[...]))
-    if verify:
+    if verify and mode == "multi-process":
+        reference = run_reference_processes(job, placements, make_reference_step())
+        out["reference"] = "plain NNX in plain processes joined by jax.distributed, replaying the run's slices"
+        out["max_abs_param_diff_vs_reference"] = max_abs_state_diff(result.state, reference)
+    elif verify:
         reference = run_reference(job, placements, make_reference_step())
         out["max_abs_param_diff_vs_reference"] = max_abs_state_diff(result.state, reference)
     return out

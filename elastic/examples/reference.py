@@ -6,6 +6,13 @@ trains from the same seed in a plain loop: the state is initialised on the mesh 
 ``jax.device_put`` onto the mesh of each step whose slices differ from the previous step's, and advanced by
 ``step_fn(state, step, mesh)``, the example's own step without any of ``elastic``. Moving and restoring
 are exact copies, so the elastic run and the reference agree bit for bit when the step is deterministic.
+
+In multi-process mode the steps ran in worker processes whose collectives (gloo) sum in another order than one
+process's devices do, and a float that differs in its last bit can grow (adam normalises a near-zero gradient
+to a step of the learning rate's size). So the reference replays the same schedule in the same kind of
+processes: for each stretch of steps on one set of slices, that many plain processes (Ray actors set up like the
+workers) join a ``jax.distributed`` group, receive the state from this process, run the example's step, and hand
+the state back; nothing of ``elastic`` runs in them but the helper that joins the group.
 """
 from __future__ import annotations
 
@@ -13,13 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 import runtime
 from elastic.api.job import ElasticJob
 from elastic.api.run import Run
 
-__all__ = ["Placements", "run_reference"]
+__all__ = ["Placements", "ReferenceProcess", "run_reference", "run_reference_processes"]
 
 
 class Placements:
@@ -61,3 +69,91 @@ def run_reference(job: ElasticJob, placements: Placements, step_fn: Callable[[An
             current = slices
         state = step_fn(state, step, mesh)
     return jax.block_until_ready(state)
+
+
+class ReferenceProcess:
+    """One plain process of the multi-process reference (a Ray actor, set up like a worker)."""
+
+    def run(self, address: str, size: int, index: int, host_state: Any, abstract: Any, shardings_fn: Any,
+            mesh_fn: Any, steps: list[int], step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
+        from jax.experimental import multihost_utils
+
+        from runtime import distributed
+
+        distributed.reform(address, size, index)
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        mesh = runtime.build_mesh([runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p))
+                                   for p in range(size)], mesh_fn)
+        from elastic.api.shardings import state_shardings
+
+        shardings = state_shardings(abstract, shardings_fn, mesh)
+        state = jax.tree_util.tree_map(lambda x, s: _place(x, s), host_state, shardings)
+        for step in steps:
+            state = step_fn(state, step, mesh)
+        out = jax.tree_util.tree_map(lambda x: _host(x, multihost_utils), state)
+        del state
+        distributed.leave()
+        return out
+
+
+def _place(x: Any, sharding: Any) -> Any:
+    if isinstance(x, _Key):
+        return jax.random.wrap_key_data(jax.device_put(x.data, sharding), impl=x.impl)
+    return jax.device_put(x, sharding)
+
+
+class _Key:
+    """A typed PRNG key on the host: its key data and impl."""
+
+    def __init__(self, data: Any, impl: str) -> None:
+        self.data, self.impl = data, impl
+
+
+def _host(x: Any, multihost_utils: Any) -> Any:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return _Key(multihost_utils.process_allgather(jax.random.key_data(x), tiled=True), str(jax.random.key_impl(x)))
+    return multihost_utils.process_allgather(x, tiled=True)
+
+
+def run_reference_processes(job: ElasticJob, placements: Placements,
+                            step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
+    """:func:`run_reference` for a multi-process job: each stretch of steps on one slice set runs in that many fresh
+    plain processes joined by ``jax.distributed``; the final state on the host (typed keys wrapped back)."""
+    import ray
+
+    from elastic.control.cluster import connect
+    from runtime import distributed
+
+    connect()
+    steps = range(job.config.num_steps)
+    missing = [s for s in steps if s not in placements.slices]
+    if missing:
+        raise ValueError(f"placements lack steps {missing[:5]}...: record them with on_step=Placements()")
+    stretches: list[tuple[tuple[int, ...], list[int]]] = []
+    for step in steps:
+        if not stretches or stretches[-1][0] != placements.slices[step]:
+            stretches.append((placements.slices[step], []))
+        stretches[-1][1].append(step)
+    cfg = job.config
+    env = distributed.collective_env(cfg.devices_per_slice,
+                                     collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5)
+    remote = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})
+    init = jax.jit(job._init_fn)(jax.random.key(cfg.seed))  # noqa: SLF001 - the job's own init
+    abstract = jax.eval_shape(job._init_fn, jax.random.key(cfg.seed))  # noqa: SLF001
+    host = jax.tree_util.tree_map(lambda x: _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+                                  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x), init)
+    for slices, stretch in stretches:
+        service = distributed.CoordinationService(len(slices), host=ray.util.get_node_ip_address())
+        actors = [remote.remote() for _ in slices]
+        try:
+            outs = ray.get([a.run.remote(service.address, len(slices), i, host, abstract,
+                                         job._shardings_fn,  # noqa: SLF001
+                                         job._mesh_fn, stretch, step_fn) for i, a in enumerate(actors)],  # noqa: SLF001
+                           timeout=600)
+        finally:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            service.stop()
+        host = outs[0]
+    return jax.tree_util.tree_map(lambda x: jax.random.wrap_key_data(x.data, impl=x.impl) if isinstance(x, _Key)
+                                  else x, host, is_leaf=lambda x: isinstance(x, _Key))

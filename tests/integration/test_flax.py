@@ -74,3 +74,18 @@ def test_example_runs_and_verifies(module):
     assert out["slices_initial"] == out["slices_final"] == 4 and out["min_slices_seen"] == 3
     assert out["steps_committed"] == 40 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
     assert out["final_loss"] < 1.0 and out["eval_accuracy"] > 0.5  # it trained (the trap would leave ~2.3)
+
+
+@pytest.mark.timeout(240)
+def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
+    """The same example with a worker process per slice (slice 1's process SIGKILLed, a new one joining): every leaf
+    equals, bit for bit, plain NNX replayed in plain processes over the same slices at the same steps."""
+    proc = subprocess.run([sys.executable, "-m", "elastic.examples.flax_nnx", "--mode", "multi-process", "--json",
+                           "--verify", "--steps", "24", "--kill-at", "7", "--revive-at", "14"], capture_output=True,
+                          text=True, timeout=230, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["mode"] == "multi-process" and out["max_abs_param_diff_vs_reference"] == 0.0
+    assert out["recoveries"] == 1 and out["grows"] == 1 and out["slice_moves"] == 2
+    assert out["restores"][0]["tier"] == "memory" and out["worker_processes_restarted"] == 0
+    assert out["steps_committed"] == 24 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
