@@ -26,6 +26,7 @@ subsets can form a mesh. Only this module and :func:`is_peer_loss`'s patterns kn
 from __future__ import annotations
 
 import gc
+import os
 import re
 import socket
 import time
@@ -54,6 +55,21 @@ def collective_env(devices_per_process: int, *, collective_timeout_s: int = 5) -
                      f"--xla_cpu_collective_timeout_seconds={collective_timeout_s}",
         "JAX_PLATFORMS": "cpu",
     }
+
+
+def setup_process(env: dict[str, str]) -> None:
+    """Apply ``env`` (see :func:`collective_env`) to this process before its jax backend starts: XLA reads its
+    flags when the backend is created, and ``JAX_PLATFORMS`` is passed on to jax's config, which read the variable
+    at import. So a process that imported jax already (a reused Ray worker) is set up all the same, without a
+    fresh process per environment. Raises ``RuntimeError`` when the backend exists already (too late)."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("this process's jax backend started before its environment was set up: run the worker "
+                           "in a fresh process (its devices and collective timeout come from XLA_FLAGS)")
+    os.environ.update(env)
+    if "JAX_PLATFORMS" in env:
+        jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -74,6 +74,11 @@ def run_reference(job: ElasticJob, placements: Placements, step_fn: Callable[[An
 class ReferenceProcess:
     """One plain process of the multi-process reference (a Ray actor, set up like a worker)."""
 
+    def __init__(self, env: dict[str, str]) -> None:
+        from runtime import distributed
+
+        distributed.setup_process(env)
+
     def run(self, address: str, size: int, index: int, host_state: Any, abstract: Any, shardings_fn: Any,
             mesh_fn: Any, steps: list[int], step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
         from jax.experimental import multihost_utils
@@ -137,14 +142,14 @@ def run_reference_processes(job: ElasticJob, placements: Placements,
     cfg = job.config
     env = distributed.collective_env(cfg.devices_per_slice,
                                      collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5)
-    remote = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})
+    remote = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0)
     init = jax.jit(job._init_fn)(jax.random.key(cfg.seed))  # noqa: SLF001 - the job's own init
     abstract = jax.eval_shape(job._init_fn, jax.random.key(cfg.seed))  # noqa: SLF001
     host = jax.tree_util.tree_map(lambda x: _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
                                   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x), init)
     for slices, stretch in stretches:
         service = distributed.CoordinationService(len(slices), host=ray.util.get_node_ip_address())
-        actors = [remote.remote() for _ in slices]
+        actors = [remote.remote(env) for _ in slices]
         try:
             outs = ray.get([a.run.remote(service.address, len(slices), i, host, abstract,
                                          job._shardings_fn,  # noqa: SLF001

@@ -33,9 +33,10 @@ Call = tuple[bytes, Any]  # (the jitted function, cloudpickled; its runtime.stan
 class StandbyProcess:
     """One helper process of a standby group (a Ray actor, wrapped by :class:`StandbyGroup`)."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, env: dict[str, str]) -> None:
         import jax
 
+        distributed.setup_process(env)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
@@ -72,9 +73,10 @@ class StandbyGroup:
     """The driver's side: compiles the recorded calls for a group size in the background, one size at a time (one
     standby group at most exists: its processes share the host with the workers)."""
 
-    def __init__(self, *, cache_dir: str, actor_options: Callable[[], dict[str, Any]], mesh_fn: Any,
-                 rendezvous_timeout_s: int, job: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, *, cache_dir: str, actor_options: Callable[[], dict[str, Any]], env: dict[str, str],
+                 mesh_fn: Any, rendezvous_timeout_s: int, job: str, timeout_s: float = 300.0) -> None:
         self._cache_dir = cache_dir
+        self._env = env
         self._options = actor_options
         self._mesh_fn = mesh_fn
         self._rendezvous_s = rendezvous_timeout_s
@@ -135,7 +137,7 @@ class StandbyGroup:
             with self._cond:
                 if self._closed:
                     return
-                actors = [remote.options(**self._options()).remote(self._cache_dir) for _ in range(size)]
+                actors = [remote.options(**self._options()).remote(self._cache_dir, self._env) for _ in range(size)]
                 self._actors = actors
             service = distributed.CoordinationService(size, host=ray.util.get_node_ip_address())
             refs = [a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s)

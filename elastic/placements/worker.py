@@ -101,7 +101,10 @@ class GroupPlan:
 class SliceWorker:
     """One slice's process. Wrapped by the placement with ``ray.remote(max_concurrency=...)``."""
 
-    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec) -> None:
+    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec,
+                 env: dict[str, str] | None = None) -> None:
+        if env:  # before this process's jax backend starts (its devices, the collective timeout)
+            distributed.setup_process(env)
         self.slice = slice_index
         self.incarnation = incarnation
         self._supervisor = supervisor
