@@ -5,7 +5,7 @@
 Ours: an ``ElasticJob`` with ``ElasticConfig(processes=Processes(replace_lost=False))`` runs 4 worker processes
 (Ray actors, 2 CPU devices each, joined by ``jax.distributed`` over gloo) on a state of ``--mib`` MiB (8 float32
 leaves, each split over the 2 devices of a worker and replicated across workers), a host snapshot every 5 steps.
-The loop holds before step ``--kill-at`` until the standby compiles for the 3-worker group are done (a failure
+The loop holds before the step ahead of ``--kill-at`` until the standby compiles for the 3-worker group are done (a failure
 on a job past its first minutes); then slice 1's process SIGKILLs itself (``Faults.kill_slice``). The 3 survivors
 leave the broken group (the driver sees the process die and aborts their pass), re-form in place and restore from
 their host snapshots. ``resume_seconds``: the failure caught -> the first step committed by the re-formed group
@@ -178,7 +178,7 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
 
     with job:
         threading.Thread(target=release, daemon=True).start()
-        result = job.run(_held_loop(kill_at, flag))
+        result = job.run(_held_loop(kill_at - 1, flag))  # held before the step that kills
     internal_kv._internal_kv_del(flag)
     report = result.report.to_dict()
     _wait_gone(list(report["worker_pids"].values()))
@@ -192,9 +192,11 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
         "phases": {"decide": round(t_view - t_fail, 3), "restore": round(t_restored - t_view, 3),
                    "first_step": round(t_fail + resume - t_restored, 3)},
         "compile_seconds_on_recovery_path": report["recovery_compile_seconds"][0],
-        "standby_compiles": report["standby_compiles"],
+        "standby_compiles": report["standby_compiles"], "standby_skipped": report["standby_skipped"],
         "snapshot_seconds_per_snapshot": round(report["snapshot_blocking_seconds"] / max(1, report["snapshots_taken"]),
                                                4),
+        "restore_phases": next(e for e in events if e["event"] == "restored" and e["t"] >= t_fail).get("phases"),
+        "first_step_in_workers": report.get("recovery_first_step", [None])[0],
         "restore_from_step": report["restores"][0]["step"],
         "restore_tier": report["restores"][0]["tier"],
         **{k: report[k] for k in ("reform_seconds", "worker_processes_restarted", "survivors_lost",

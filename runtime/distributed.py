@@ -149,6 +149,9 @@ def _client_error(*status: object) -> None:
     """The client's error handler (see :func:`join`): reached only for errors after the rendezvous."""
 
 
+LEAVE_TIMES: dict[str, float] = {}  # the last leave's phases (seconds): backend, caches, gc, client
+
+
 def leave() -> float:
     """Leave the current group (bounded by the client's shutdown timeout) and drop this process's backends and
     compiled executables, so that the next :func:`join` builds them for the new group. Seconds it took."""
@@ -158,26 +161,35 @@ def leave() -> float:
     # The backend first: once nothing else holds it (the caller dropped its arrays), it is destroyed here and its
     # collectives' sockets close, which makes peers still waiting on this process fail at once.
     jax.extend.backend.clear_backends()
+    LEAVE_TIMES["backend"] = time.monotonic() - start
     jax.clear_caches()
+    LEAVE_TIMES["caches"] = time.monotonic() - start - LEAVE_TIMES["backend"]
     gc.collect()
+    LEAVE_TIMES["gc"] = time.monotonic() - start - LEAVE_TIMES["backend"] - LEAVE_TIMES["caches"]
     if client is not None:
         try:
             client.shutdown()
         except Exception:  # noqa: BLE001 - a broken group cannot shut down cleanly; its service goes anyway
             pass
+    LEAVE_TIMES["client"] = time.monotonic() - start - sum(LEAVE_TIMES[k] for k in ("backend", "caches", "gc"))
     state.process_id, state.num_processes = 0, 1
     return time.monotonic() - start
 
 
-def reform(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60) -> float:
+def reform(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60,
+           phases: dict[str, float] | None = None) -> float:
     """Leave the current group (if any) and join a new one, in this process; seconds it took (until the new
-    group's devices are visible)."""
+    group's devices are visible). ``phases`` (if given) receives ``leave``, ``join`` and ``backend`` seconds."""
     start = time.monotonic()
+    times = phases if phases is not None else {}
     if joined():
         leave()
+    times["leave"] = time.monotonic() - start
     join(address, num_processes, process_id, timeout_s=timeout_s)
+    times["join"] = time.monotonic() - start - times["leave"]
     jax.devices()  # the backend starts here: its rendezvous waits for the whole group
     _write_own_cache_entries()
+    times["backend"] = time.monotonic() - start - times["leave"] - times["join"]
     return time.monotonic() - start
 
 

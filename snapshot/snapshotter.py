@@ -391,6 +391,23 @@ class Snapshotter:
         s["engine"] = self._engine.name if self._engine else None
         return s
 
+    def cancel(self) -> int:
+        """Abandon the snapshot waiting and the one being copied (counted as ``snapshots_abandoned``): the state
+        they hold is not wanted any more (a restore from an older generation follows). Returns at once; the copy
+        stops before its next piece. How many were abandoned."""
+        with self._cv:
+            count = 0
+            if self._pending is not None:
+                self._pending.abandoned = True
+                self._pending = None
+                self._stats["snapshots_abandoned"] += 1
+                count += 1
+            if self._in_flight is not None:
+                self._in_flight.abandoned = True
+                count += 1
+            self._cv.notify_all()
+        return count
+
     def close(self, timeout: float = 120.0) -> None:
         """Finish what was requested (the waiting and the in-flight copy, bounded by ``timeout``), then
         stop the background threads. Complete generations stay readable until the snapshotter is dropped."""

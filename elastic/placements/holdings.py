@@ -23,7 +23,7 @@ from snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotter
 from snapshot.image import Index, assemble
 from snapshot.errors import SnapshotStructureError
 
-__all__ = ["Holdings", "common_step", "regions_of"]
+__all__ = ["Holdings", "common_step", "holders_of", "regions_of", "select"]
 
 Send = Callable[[HostImage], None]
 
@@ -44,6 +44,35 @@ def regions_of(state_leaves: Sequence[Any]) -> list[list[Index]]:
             trailing = tuple((0, n) for n in data_shape[len(shape):])
         out.append(sorted({region(idx, shape) + trailing for idx in leaf.sharding.devices_indices_map(shape).values()}))
     return out
+
+
+def holders_of(state_leaves: Sequence[Any]) -> list[dict[Index, tuple[int, ...]]]:
+    """For each leaf: each region (as stored: a typed key's key data), and the processes whose devices hold it."""
+    import jax
+
+    from snapshot.image import region
+
+    out = []
+    for leaf in state_leaves:
+        shape = tuple(leaf.shape)
+        trailing: tuple[tuple[int, int], ...] = ()
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data_shape = jax.eval_shape(jax.random.key_data, leaf).shape
+            trailing = tuple((0, n) for n in data_shape[len(shape):])
+        held: dict[Index, set[int]] = {}
+        for device, idx in leaf.sharding.devices_indices_map(shape).items():
+            held.setdefault(region(idx, shape) + trailing, set()).add(device.process_index)
+        out.append({r: tuple(sorted(p)) for r, p in held.items()})
+    return out
+
+
+def select(image: HostImage, keep: Callable[[int, Index], bool]) -> HostImage | None:
+    """``image`` with only the pieces ``keep(leaf, index)`` chooses (None when it chooses none)."""
+    leaves = tuple(dataclasses.replace(leaf, pieces=tuple(p for p in leaf.pieces if keep(i, p.index)))
+                   for i, leaf in enumerate(image.leaves))
+    if not any(leaf.pieces for leaf in leaves):
+        return None
+    return dataclasses.replace(image, leaves=leaves)
 
 
 def _private(image: HostImage) -> HostImage:
@@ -91,13 +120,16 @@ class Holdings:
         for send in self._send:
             send(image)
 
-    def end(self, timeout_s: float = 60.0) -> None:
-        """The group ends: wait (bounded) for the snapshot in flight, keep every generation as a host image (the
-        snapshotter's own buffers, no copy), and close the snapshotter (its device handles go with the group)."""
+    def end(self, timeout_s: float = 60.0, *, keep_in_flight: bool = True) -> None:
+        """The group ends: wait (bounded) for the snapshot in flight (or, ``keep_in_flight=False``, abandon it: a
+        restore of an older step follows), keep every generation as a host image (the snapshotter's own buffers,
+        no copy), and close the snapshotter (its device handles go with the group)."""
         snap, self._snap = self._snap, None
         self._send = []
         if snap is None:
             return
+        if not keep_in_flight:
+            snap.cancel()
         try:
             snap.wait(timeout_s)
         except Exception:  # noqa: BLE001 - a failed or unfinished save: the complete generations still count
@@ -156,9 +188,9 @@ class Holdings:
     def held(self, wait_s: float = 60.0) -> dict[int, dict[str, Any]]:
         """Per step held (own or buddy): whether this worker's own generation of it is here, the regions held per
         leaf, and every region per leaf on the mesh it was taken on. A snapshot still being copied is waited for
-        (up to ``wait_s``): a boundary's snapshot is the one asked about."""
+        (up to ``wait_s``, 0: not at all): at a boundary, its snapshot is the one asked about."""
         snap = self._snap
-        if snap is not None:
+        if snap is not None and wait_s > 0:
             try:
                 snap.wait(wait_s)
             except Exception:  # noqa: BLE001 - a failed or unfinished save: the complete generations still count

@@ -133,16 +133,20 @@ class ProcessPlacement:
             self._kill(s)
         handles = {s: group.agent(s) for s in members}
         incarnations = {s: group.incarnation(s) for s in members}
-        helds = self._ask(handles, "held", timeout=30.0)
+        asked = time.monotonic()
+        helds = self._ask(handles, "held", timeout=90.0, args=(live,))  # at a boundary: its snapshot, copied
         holders = [s for s in members if any(h["own"] for h in helds[s].values())]
         source, step, keeper, tier = self._source(helds, holders, live=live, previous=previous)
+        self._log.info("group_source", epoch=view.epoch, source=source, step=step,
+                       held={s: sorted(h) for s, h in helds.items()})
+        chose = time.monotonic()
         self._groups += 1
         # The old group's service stays up until every member has left it (in its prepare, below): a service that
         # stops under a connected client makes that client's error poll fail, and jax then aborts the process.
         old, self._service = self._service, distributed.CoordinationService(len(members),
                                                                              host=ray.util.get_node_ip_address())
         plan = GroupPlan(epoch=self._groups, address=self._service.address, members=members, peers=handles,
-                         source=source, step=step, view=view, pids=tuple(sorted(self._acct.pids | {os.getpid()})),
+                         source=source, step=step, view=view, live=live, pids=tuple(sorted(self._acct.pids | {os.getpid()})),
                          keeper=keeper, rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
                          record_calls=not self._calls, fault_floor=self._reached)
         refs = {handles[s].prepare.remote(plan): s for s in members}
@@ -167,7 +171,11 @@ class ProcessPlacement:
         if self._recovering:
             self.figures["reform_seconds"].append(round(reform, 3))
         detail = {"reform_seconds": round(reform, 3),
-                  "restore_seconds": max(r.get("restore_seconds") or 0.0 for r in results.values())}
+                  "restore_seconds": max(r.get("restore_seconds") or 0.0 for r in results.values()),
+                  "phases": {"held": round(chose - asked, 3), "formed": round(time.monotonic() - chose, 3),
+                             **{k: max(r.get("phases", {}).get(k, 0.0) for r in results.values())
+                                for k in ("end_group", "leave", "leave_backend", "leave_caches", "leave_gc", "leave_client", "join",
+                                          "backend", "shardings", "restore")}}}
         meta = results[members[0]].get("meta")
         if source == "fresh":
             return Placed(how="fresh", step=0, detail=detail)
@@ -349,6 +357,8 @@ class ProcessPlacement:
             self._recovering = False
             self.figures["recovery_compile_seconds"].append(
                 max(r.get("first_step_compile_seconds") or 0.0 for r in first))
+            self.figures.setdefault("recovery_first_step", []).append(
+                {k: max((r.get("first_step_phases") or {}).get(k) or 0.0 for r in first) for k in ("to_step", "step")})
         if all(r["status"] == "finished" for r in results.values()):
             self._final = plan
             return PassEnd()
@@ -463,14 +473,16 @@ class ProcessPlacement:
         return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0, **self._stats}
 
     def wait_for_standbys(self, timeout: float) -> bool:
-        """Until the step is compiled for the group one slice smaller than the current one (False past
-        ``timeout``, or when nothing can be compiled: standby off, or below ``min_slices``)."""
-        deadline = time.monotonic() + timeout
-        smaller = len(self._members) - 1
-        if not self._procs.standby or smaller < max(1, self.config.policy.min_slices):
+        """Until the step is compiled for the group one slice smaller than the current one (False past ``timeout``,
+        or when nothing can be compiled: standby off, or the smaller group would be below ``min_slices``)."""
+        if not self._procs.standby:
             return False
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._standby.ready(smaller):
+            smaller = len(self._members) - 1
+            if self._members and smaller < max(1, self.config.policy.min_slices):
+                return False
+            if self._members and self._standby.ready(smaller):
                 return True
             time.sleep(0.05)
         return False
@@ -483,8 +495,8 @@ class ProcessPlacement:
         self._stop_service()
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def _ask(self, handles: dict[int, Any], method: str, *, timeout: float) -> dict[int, Any]:
-        refs = {getattr(h, method).remote(): s for s, h in handles.items()}
+    def _ask(self, handles: dict[int, Any], method: str, *, timeout: float, args: tuple[Any, ...] = ()) -> dict[int, Any]:
+        refs = {getattr(h, method).remote(*args): s for s, h in handles.items()}
         return self._collect(refs, timeout=timeout, what=f"the workers to answer {method}")
 
     def _collect(self, refs: dict[Any, int], *, timeout: float, what: str) -> dict[int, Any]:

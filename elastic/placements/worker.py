@@ -16,6 +16,7 @@ the loop runs on its own thread.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -35,7 +36,7 @@ from elastic.config import ElasticConfig
 from elastic.control.pass_host import PassHost
 from elastic.control.report import Ledger
 from elastic.log import get_logger
-from elastic.placements.holdings import Holdings, regions_of
+from elastic.placements.holdings import Holdings, holders_of, regions_of, select
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.supervision.membership import View
 from runtime import distributed
@@ -89,6 +90,7 @@ class GroupPlan:
     source: str
     step: int | None
     view: View
+    live: bool = False  # a move at a step boundary: the boundary's snapshot (maybe still being copied) is restored
     pids: tuple[int, ...] = ()
     keeper: str | None = None  # the keeper to read a keeper restore from
     rendezvous_timeout_s: int = 5
@@ -131,10 +133,13 @@ class SliceWorker:
         self._persistent: Any = None
         self._compile_s = 0.0
         self._shape_key: Any = None
+        self._holders: list[dict[Any, tuple[int, ...]]] = []  # per leaf: region -> the processes holding it
+        self._abstract: Any = None
         self._shape_meta: dict[str, Any] = {}
         self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         self._started = False
+        gc.freeze()  # what the imports made lives as long as the process: a re-formation's collection skips it
 
     def _on_duration(self, event: str, duration: float, **_: Any) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
@@ -191,8 +196,9 @@ class SliceWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def held(self) -> dict[int, dict[str, Any]]:
-        return self._holdings.held()
+    def held(self, wait: bool = True) -> dict[int, dict[str, Any]]:
+        """What this worker holds (see :meth:`Holdings.held`); ``wait``: for the snapshot being copied."""
+        return self._holdings.held(60.0 if wait else 0.0)
 
     def pieces(self, step: int, leaf: int, index: Any) -> list[tuple[Any, Any]]:
         """What this worker holds of region ``index`` of leaf ``leaf`` at ``step`` (pieces cut to it)."""
@@ -236,9 +242,11 @@ class SliceWorker:
     def prepare(self, plan: GroupPlan) -> dict[str, Any]:
         """Join group ``plan.epoch`` (leaving the previous one), build its mesh and put the state on it."""
         start = time.monotonic()
-        self._holdings.end()
+        phases: dict[str, float] = {}
+        self._holdings.end(keep_in_flight=plan.live)  # restoring an older step: the copy in flight is not wanted
         self._close_tiers()
-        self._prepared = None
+        self._prepared = self._final = None
+        phases["end_group"] = time.monotonic() - start
         with self._lock:
             self._epoch = plan.epoch
         index = plan.members.index(self.slice)
@@ -246,16 +254,21 @@ class SliceWorker:
                                "node": ray.get_runtime_context().get_node_id()}
         try:
             out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
-                                                       timeout_s=plan.rendezvous_timeout_s)
+                                                       timeout_s=plan.rendezvous_timeout_s, phases=phases)
         except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
             return {**out, "status": "failed", "error": f"the rendezvous of group {plan.epoch} failed: "
                     f"{type(err).__name__}: {str(err)[:300]}"}
         self._compile_s = 0.0
+        mark = time.monotonic()
         try:
             mesh = self._mesh(plan.members)
-            abstract = jax.eval_shape(self._spec.init_fn, jax.random.key(self._config.seed))
+            if self._abstract is None:  # the state's shapes: traced once per process
+                self._abstract = jax.eval_shape(self._spec.init_fn, jax.random.key(self._config.seed))
+            abstract = self._abstract
             shardings = state_shardings(abstract, self._spec.shardings_fn or replicate_all(abstract), mesh)
+            phases["shardings"] = time.monotonic() - mark
             state, meta = self._restore(plan, abstract, shardings)
+            state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
         except Exception as err:  # noqa: BLE001 - classified by the driver: a lost peer is recovered
             return {**out, "status": "failed" if distributed.is_peer_loss(err) else "error",
                     "error": f"{type(err).__name__}: {str(err)[:400]}", "traceback": traceback.format_exc()[-2000:]}
@@ -265,8 +278,11 @@ class SliceWorker:
             self._holdings.forget_after(plan.step or 0)
         extras = dict(meta["extras"]) if meta is not None else {}
         self._prepared = (mesh, state, plan.step or 0, extras, ledger)
+        phases["restore"] = time.monotonic() - mark
+        phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
         self._begin_tiers(plan, mesh)
-        out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3))
+        out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
+                   phases={k: round(v, 3) for k, v in phases.items()})
         return out
 
     def _mesh(self, members: tuple[int, ...]) -> Any:
@@ -362,7 +378,14 @@ class SliceWorker:
         send = []
         if len(members) > 1:  # the buddy: the next member; its copy lives in its own process
             buddy = plan.peers[members[(me + 1) % len(members)]]
-            send.append(lambda image: buddy.hold.remote(self.slice, image))
+
+            def to_buddy(image: Any) -> None:
+                # only what no other member holds: a region replicated across slices has its copies there already
+                mine = select(image, lambda leaf, index: self._holders[leaf].get(index) == (me,))
+                if mine is not None:
+                    buddy.hold.remote(self.slice, mine)
+
+            send.append(to_buddy)
         every = self._config.tiers.keeper_every
         keepers = self._keeper_tier() if every else None
         if keepers is not None:
@@ -370,8 +393,10 @@ class SliceWorker:
 
             def to_keepers(image: Any) -> None:
                 counter["n"] += 1
-                if counter["n"] % every == 0:
-                    keepers.push_part(image, self.slice)
+                if counter["n"] % every == 0:  # each region from the first process that holds it
+                    part = select(image, lambda leaf, index: min(self._holders[leaf].get(index, (me,))) == me)
+                    if part is not None:
+                        keepers.push_part(part, self.slice)
 
             send.append(to_keepers)
         process_of = {d.id: d.process_index for d in mesh.devices.flat}
@@ -393,8 +418,9 @@ class SliceWorker:
     def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
         leaves = jax.tree_util.tree_leaves(state)
         key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
-        if self._shape_key != key:  # the regions and layout of a state are computed once per mesh
+        if self._shape_key != key:  # the regions, their holders and the layout of a state: once per mesh
             self._shape_key, self._shape_meta = key, {"_regions": regions_of(leaves), "_layout": layout_of(leaves)}
+            self._holders = holders_of(leaves)
         meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed,
                 **self._shape_meta}
         self._holdings.save(next_step, state, meta)
@@ -450,6 +476,8 @@ class SliceWorker:
         self._prepared = None
         self._next_step = start
         first_commit: list[float] = []
+        began = time.time()
+        first_step: list[float] = []
 
         def on_commit(run: Run, step: int, new_state: Any, batch: int, metrics: dict[str, Any]) -> None:
             with self._lock:  # abort() waits for a commit in progress; none starts after it
@@ -461,6 +489,8 @@ class SliceWorker:
             if not first_commit:
                 first_commit.append(time.time())
                 out["first_step_compile_seconds"] = round(self._compile_s, 4)
+                out["first_step_phases"] = {"to_step": round(first_step[0] - began, 3) if first_step else None,
+                                            "step": round(first_commit[0] - (first_step or [began])[0], 3)}
 
         def changed(next_step: int) -> View | None:
             with self._lock:
@@ -471,6 +501,8 @@ class SliceWorker:
 
         def before(step: int) -> None:
             self._next_step = step
+            if not first_step:
+                first_step.append(time.time())
             silent = time.monotonic() - self._polled
             if silent > DRIVER_LEASE_S:  # a worker must not train on for a dead driver (Ray ends it soon)
                 raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: the driver has not read this pass's progress for "
