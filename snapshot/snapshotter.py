@@ -119,6 +119,14 @@ class Snapshotter:
         self._stats["last_blocking_seconds"] = blocked
         return req.number
 
+    def prepare(self, state: Any) -> None:
+        """Plan where each byte of ``state``'s snapshots goes now (it is planned once per layout), so that the first
+        ``save`` of a new mesh does not pay for it on the training thread."""
+        leaves = jax.tree_util.tree_leaves(state)
+        arrays = [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
+        self._plan(arrays)
+        self._engine_for(arrays)
+
     def _engine_for(self, arrays: list[Any]) -> Engine:
         if self._engine is None:
             devices = [d for x in arrays if isinstance(x, jax.Array) for d in x.sharding.device_set]

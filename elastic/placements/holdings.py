@@ -99,24 +99,36 @@ class Holdings:
                        "snapshots_failed": 0, "blocking_seconds": 0.0}
 
     # -- a group's snapshots -------------------------------------------------------------------------------------
-    def begin(self, slice_of: Callable[[Any], int], send: Sequence[Send]) -> None:
+    def begin(self, slice_of: Callable[[Any], int], send: Sequence[Send], state: Any = None) -> None:
         """A new group: snapshots go to a new snapshotter over this process's devices (``slice_of`` names each
-        device's slice); each completed generation is handed to every ``send`` (the buddy, the keepers)."""
+        device's slice); each completed generation is handed to every ``send`` (the buddy, the keepers). ``state``:
+        the group's state, planned for now (its first snapshot then costs the training thread no planning)."""
         self._send = list(send)
+        self._static: dict[str, Any] = {}
         self._snap = Snapshotter(SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),  # type: ignore[arg-type]
                                  slice_of=slice_of, on_complete=self._completed)
+        if state is not None:
+            self._snap.prepare(state)
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Request a snapshot of this worker's shards of ``state`` (resuming at ``step``); returns at once."""
+    def save(self, step: int, state: Any, meta: dict[str, Any], static: dict[str, Any] | None = None) -> None:
+        """Request a snapshot of this worker's shards of ``state`` (resuming at ``step``); returns at once.
+        ``static``: meta that is the same for every snapshot of the group (the regions and layout of the state on
+        its mesh), added to the images without being copied with each snapshot."""
         assert self._snap is not None, "save outside a group"
+        if static is not None:
+            self._static = static
         self._snap.save(step, state, meta)
+
+    def _with_static(self, image: HostImage) -> HostImage:
+        static = getattr(self, "_static", None)
+        return dataclasses.replace(image, meta={**image.meta, **static}) if static else image
 
     def _completed(self, info: SnapshotInfo) -> None:
         """On the snapshot thread: hand the new generation to the buddy and the keepers (views of its buffers:
         they are not reused until two more generations complete, and Ray copies them when sending)."""
         if not self._send or self._snap is None:
             return
-        image = self._snap.image(copy=False)
+        image = self._with_static(self._snap.image(copy=False))
         for send in self._send:
             send(image)
 
@@ -134,7 +146,7 @@ class Holdings:
             snap.wait(timeout_s)
         except Exception:  # noqa: BLE001 - a failed or unfinished save: the complete generations still count
             pass
-        images = snap.images(copy=False)
+        images = [self._with_static(i) for i in snap.images(copy=False)]
         stats = snap.stats()
         snap.close(timeout=timeout_s)
         for key in self._stats:
@@ -174,7 +186,7 @@ class Holdings:
         if self._snap is not None:
             try:
                 for image in self._snap.images(copy=False):
-                    images[image.step] = image
+                    images[image.step] = self._with_static(image)
             except Exception:  # noqa: BLE001 - nothing complete in this group yet
                 pass
         return images

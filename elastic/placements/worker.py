@@ -280,7 +280,7 @@ class SliceWorker:
         self._prepared = (mesh, state, plan.step or 0, extras, ledger)
         phases["restore"] = time.monotonic() - mark
         phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
-        self._begin_tiers(plan, mesh)
+        self._begin_tiers(plan, mesh, state)
         out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
                    phases={k: round(v, 3) for k, v in phases.items()})
         return out
@@ -372,7 +372,7 @@ class SliceWorker:
             self._keepers = KeeperTier.attach(self._config.namespace)
         return self._keepers
 
-    def _begin_tiers(self, plan: GroupPlan, mesh: Any) -> None:
+    def _begin_tiers(self, plan: GroupPlan, mesh: Any, state: Any) -> None:
         members = plan.members
         me = members.index(self.slice)
         send = []
@@ -400,7 +400,7 @@ class SliceWorker:
 
             send.append(to_keepers)
         process_of = {d.id: d.process_index for d in mesh.devices.flat}
-        self._holdings.begin(lambda d: process_of.get(d.id, d.process_index), send)
+        self._holdings.begin(lambda d: process_of.get(d.id, d.process_index), send, state)
         if self._config.tiers.persistent_dir is not None:
             from snapshot.persistent import PersistentTier
 
@@ -421,11 +421,10 @@ class SliceWorker:
         if self._shape_key != key:  # the regions, their holders and the layout of a state: once per mesh
             self._shape_key, self._shape_meta = key, {"_regions": regions_of(leaves), "_layout": layout_of(leaves)}
             self._holders = holders_of(leaves)
-        meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed,
-                **self._shape_meta}
-        self._holdings.save(next_step, state, meta)
+        meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed}
+        self._holdings.save(next_step, state, meta, static=self._shape_meta)
         if self._persistent is not None and self._persistent.due(next_step):
-            self._persistent.save(next_step, state, meta)
+            self._persistent.save(next_step, state, {**meta, **self._shape_meta})
 
     # -- one pass of the loop ------------------------------------------------------------------------------------------
     def run_pass(self, plan: GroupPlan) -> dict[str, Any]:
