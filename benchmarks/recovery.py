@@ -24,12 +24,11 @@ Baseline: what a restart-based job pays at that moment, in a fresh process: impo
 restore the same state from an Orbax checkpoint onto the survivors' mesh, compile the step, run it
 (not even counting rescheduling the job). ``speedup`` = baseline / ours.
 
-``--mode multi-process`` (or ``both``) measures the multi-controller case instead (or as well), printed under
+``--mode multi-process`` (or ``both``) measures the multi-process case instead (or as well), printed under
 ``"multi_process"`` (benchmarks/recovery_mp.py, which also runs alone): 4 worker processes joined by
-``jax.distributed`` (``elastic.placements.mc_driver.McDriver``, ``--mib`` default 64 there), one SIGKILLed at ``--kill-at``,
-the 3 survivors re-forming in place from their host snapshots, against 3 fresh processes that import jax, join a
-new group, restore an Orbax checkpoint, compile and step. Ours includes detecting the loss and leaving the broken
-group (the baseline pays no detection), so ``ours_without_leaving`` is reported beside ``resume_seconds``.
+``jax.distributed`` (an ``ElasticJob`` with ``Processes``), one SIGKILLed at ``--kill-at``, the 3 survivors
+re-forming in place from their host snapshots, against 3 fresh processes that import jax, join a new group,
+restore an Orbax checkpoint, compile and step. Ours includes detecting the loss (the baseline pays none).
 The default ``--mode single`` prints what it always did.
 """
 from __future__ import annotations
@@ -170,11 +169,11 @@ def main() -> None:
 
     configure_logging(logging.WARNING)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=None, help="default 256 (multi-process: 64)")
+    parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--mode", choices=("single", "multi-process", "both"), default="single",
-                        help="single-controller (default), multi-controller (benchmarks/recovery_mp.py), or both")
+                        help="single-process (default), multi-process (benchmarks/recovery_mp.py), or both")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args()
     if args.mode == "multi-process":
@@ -200,11 +199,11 @@ def main() -> None:
 def _multi_process(args: argparse.Namespace) -> dict:
     from recovery_mp import run
 
-    return run(args.mib or 64, args.kill_at, args.steps)
+    return run(args.mib, args.kill_at, args.steps)
 
 
 def _single(args: argparse.Namespace) -> dict:
-    mib = args.mib or 256
+    mib = args.mib
     jax.monitoring.register_event_duration_secs_listener(_listen)
     report, settled_state, start = run_elastic(mib, args.kill_at, args.steps, settled=True)
     settled = measure(report, settled_state, start)

@@ -70,12 +70,16 @@ class Keeper:
 
     def put_part(self, image: HostImage, part: int) -> int:
         """Store a private copy of ``image`` as part ``part`` of its step (multi-process mode: each worker sends
-        the pieces it holds, and a step is whole once its parts cover every leaf). A part of a step below a held
-        one is a rollback: the steps after it are dropped. Steps older than the ``keep`` newest whole ones go.
+        the pieces it holds, and a step is whole once its parts cover every leaf). A part of a step below one the
+        same part holds is a rollback: that part's later steps are dropped (other parts arrive in their own order).
+        Steps older than the ``keep`` newest whole ones go.
         Returns the bytes held afterwards."""
         own = _private_copy(image)
         with self._lock:
-            self._parts = {s: parts for s, parts in self._parts.items() if s <= own.step}
+            for step in [s for s in self._parts if s > own.step]:  # this part rolled back: its future is void
+                self._parts[step].pop(part, None)
+                if not self._parts[step]:
+                    del self._parts[step]
             self._parts.setdefault(own.step, {})[part] = own
             whole = [s for s in sorted(self._parts) if _covers(self._parts[s].values())]
             if len(whole) > self._keep:

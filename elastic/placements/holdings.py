@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotter
-from snapshot.image import Index, assemble
+from snapshot.image import Index, assemble, meta_checksum
 from snapshot.errors import SnapshotStructureError
 
 __all__ = ["Holdings", "common_step", "holders_of", "regions_of", "select"]
@@ -121,7 +121,10 @@ class Holdings:
 
     def _with_static(self, image: HostImage) -> HostImage:
         static = getattr(self, "_static", None)
-        return dataclasses.replace(image, meta={**image.meta, **static}) if static else image
+        if not static:
+            return image
+        meta = {**image.meta, **static}
+        return dataclasses.replace(image, meta=meta, meta_checksum=meta_checksum(meta))  # the image stays verifiable
 
     def _completed(self, info: SnapshotInfo) -> None:
         """On the snapshot thread: hand the new generation to the buddy and the keepers (views of its buffers:

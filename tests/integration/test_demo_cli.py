@@ -54,3 +54,22 @@ def test_demo_client_crash_resumes_from_the_keepers():
     assert out["restores"][0]["tier"] == "keeper" and 0 < out["restores"][0]["step"] <= 25
     assert out["steps_committed"] == 40 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
     assert out["max_abs_param_diff_vs_reference"] <= 1e-4
+
+
+@pytest.mark.timeout(400)
+def test_a_sigkilled_multi_process_driver_is_resumed_from_the_keepers():
+    """The multi-process job's driver is SIGKILLed (its workers die with it); the job submitted again under its name
+    takes over the detached supervisor and keepers and resumes there: not from step 0, not from disk."""
+    elastic = Path(sys.executable).parent / "elastic"
+    proc = subprocess.run(
+        [str(elastic), "demo", "--scenario", "multi-process-driver-crash", "--json", "--verify", "--no-progress",
+         "--steps", "30", "--kill-client-at", "17", "--slices", "3"],
+        capture_output=True, text=True, timeout=360, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+    assert out["scenario"] == "multi-process-driver-crash" and out["first_client_exit"] == -9
+    assert out["mode"] == "multi-process" and out["resumed_from_tier"] == "keeper"
+    assert out["restores"][0]["tier"] == "keeper" and 0 < out["restores"][0]["step"] <= 30
+    assert out["steps_committed"] == 30 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
+    assert out["max_abs_param_diff_vs_reference"] <= 1e-4

@@ -37,11 +37,11 @@ def _state(mesh: Mesh) -> dict:
 
 def _holdings(state: dict, steps: tuple[int, ...], sent: list | None = None) -> Holdings:
     holdings = Holdings(keep=2)
-    holdings.begin(lambda d: 0, [sent.append] if sent is not None else [])
+    holdings.begin(lambda d: 0, [sent.append] if sent is not None else [], state)
     leaves = jax.tree_util.tree_leaves(state)
+    static = {"_regions": regions_of(leaves), "_layout": layout_of(leaves)}
     for step in steps:
-        holdings.save(step, state, {"ledger": {"runs": [[0, 0, step]]}, "_regions": regions_of(leaves),
-                                    "_layout": layout_of(leaves)})
+        holdings.save(step, state, {"ledger": {"runs": [[0, 0, step]]}}, static=static)
         holdings.held()  # waits for the copy
     return holdings
 
@@ -51,6 +51,8 @@ def test_a_worker_holds_its_own_regions_and_cuts_any_region_from_them() -> None:
     sent: list[HostImage] = []
     holdings = _holdings(state, (5, 10, 15), sent)
     assert [image.step for image in sent] == [5, 10, 15]  # each generation handed on (the buddy, the keepers)
+    for image in sent:
+        image.verify()  # the layout added beside the snapshot keeps the image's checksums right
     holdings.end()
     held = holdings.held()
     assert sorted(held) == [10, 15]  # keep=2
