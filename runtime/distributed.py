@@ -36,8 +36,8 @@ import jax.extend.backend
 
 from runtime.classify import FailureKind, classify_failure
 
-__all__ = ["CoordinationService", "collective_env", "free_port", "is_peer_loss", "join", "leave", "reform",
-           "joined"]
+__all__ = ["CoordinationService", "collective_env", "disconnect", "free_port", "is_peer_loss", "join", "joined",
+           "leave", "reform", "setup_process"]
 
 # Errors a gloo collective raises when a peer process went away (its socket broke, or it stopped answering).
 _PEER_LOSS = re.compile(
@@ -111,7 +111,11 @@ def _state():  # noqa: ANN202 - jax's private State object
 
 
 def joined() -> bool:
-    return _state().client is not None
+    """Whether this process is in a group (its backend is the group's: see :func:`leave`)."""
+    return _state().client is not None or _in_group[0]
+
+
+_in_group = [False]  # a group's backend lives here (after disconnect(), until leave())
 
 
 def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60,
@@ -152,6 +156,19 @@ def _client_error(*status: object) -> None:
 LEAVE_TIMES: dict[str, float] = {}  # the last leave's phases (seconds): backend, caches, gc, client
 
 
+def disconnect() -> None:
+    """Shut this process's coordination client down but keep its backend: a thread still waiting on the group
+    (an Orbax save at a barrier with members that are gone) fails now instead of at its timeout, while the
+    backend it may still query stays. :func:`leave` then drops the backend. Bounded by the shutdown timeout."""
+    state = _state()
+    client, state.client = state.client, None
+    if client is not None:
+        try:
+            client.shutdown()
+        except Exception:  # noqa: BLE001 - a broken group cannot shut down cleanly; its service goes anyway
+            pass
+
+
 def leave() -> float:
     """Leave the current group (bounded by the client's shutdown timeout) and drop this process's backends and
     compiled executables, so that the next :func:`join` builds them for the new group. Seconds it took."""
@@ -173,6 +190,7 @@ def leave() -> float:
             pass
     LEAVE_TIMES["client"] = time.monotonic() - start - sum(LEAVE_TIMES[k] for k in ("backend", "caches", "gc"))
     state.process_id, state.num_processes = 0, 1
+    _in_group[0] = False
     return time.monotonic() - start
 
 
@@ -188,6 +206,7 @@ def reform(address: str, num_processes: int, process_id: int, *, timeout_s: int 
     join(address, num_processes, process_id, timeout_s=timeout_s)
     times["join"] = time.monotonic() - start - times["leave"]
     jax.devices()  # the backend starts here: its rendezvous waits for the whole group
+    _in_group[0] = True
     _write_own_cache_entries()
     times["backend"] = time.monotonic() - start - times["leave"] - times["join"]
     return time.monotonic() - start

@@ -39,6 +39,15 @@ class PersistentDirectoryError(SnapshotError, ValueError):
     """The directory holds something this tier must not touch (another job's checkpoints, other files)."""
 
 
+def _forget_orbax_client() -> None:
+    """Orbax caches, once per process, a signalling client around jax's distributed client. A process that left its
+    ``jax.distributed`` group and joined another (multi-process jobs re-form in place) has a new client; the cached
+    one would talk to the old group's service. Pinned: orbax-checkpoint 0.12.8's ``get_signaling_client``."""
+    from orbax.checkpoint._src.futures import signaling_client
+
+    signaling_client.get_signaling_client.cache_clear()
+
+
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's standard handlers, but ``jax.Array`` saved without replica parallelism (see module doc)."""
     others = [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()
@@ -120,6 +129,7 @@ class PersistentTier:
             raise ValueError(f"keep must be at least 1 (checkpoints kept on disk), got {keep}")
         self.directory = epath.Path(directory)
         self.every, self.keep, self.job = every, keep, job
+        _forget_orbax_client()
         resumed = self._claimable()
         self._manager = ocp.CheckpointManager(
             self.directory,

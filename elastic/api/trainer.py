@@ -50,7 +50,7 @@ from elastic.errors import ConfigError
 from elastic.api.job import ElasticJob, FaultPlan, JobResult, ShardingsFn, StepCallback
 from elastic.api.run import Run, batch_rows
 
-__all__ = ["MicrobatchAux", "OptaxStep", "StepRunner", "Trainer", "example_keys", "optax_step"]
+__all__ = ["MicrobatchAux", "OptaxStep", "StepRunner", "Trainer", "TrainerLoop", "example_keys", "optax_step"]
 
 MicrobatchAux = Literal["refuse", "weighted_mean"]
 _MICROBATCH_AUX = ("refuse", "weighted_mean")
@@ -172,15 +172,27 @@ def _unguarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 class StepRunner:
     """How the Trainer runs an :class:`OptaxStep` on a mesh: one jitted step on the whole batch when it
     splits over the devices, else micro-batches (``runtime.plan_microbatches``) whose size-weighted
-    gradients feed one optimizer update. Jitted once; ``on_mesh`` places the work on a mesh."""
+    gradients feed one optimizer update. Jitted once per process (a runner pickled to a worker process jits
+    there); ``on_mesh`` places the work on a mesh."""
 
     def __init__(self, step: OptaxStep) -> None:
         self.step = step
+        self._jit()
+
+    def _jit(self) -> None:
+        step = self.step
         self._fused = jax.jit(step.fused, donate_argnums=0)
         self._grad = jax.jit(jax.value_and_grad(step.objective, has_aux=True))
         self._apply = jax.jit(step.apply, donate_argnums=0)
         self._combine = jax.jit(_weighted_sum, static_argnums=0)
         self._merge = jax.jit(_merge_aux, static_argnums=0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self._jit()
 
     def on_mesh(self, mesh: Mesh, guard: Guard = _unguarded) -> Callable[[Any, Any, jax.Array | None], tuple[Any, Any]]:
         """``run(state, batch, key) -> (state, loss)`` on ``mesh``: ``batch`` is the step's global host batch,
@@ -259,7 +271,6 @@ class Trainer:
             if rows is not None and config.global_batch_size is None:  # a declared size is checked by the job
                 check_batch_splits(rows, config, what="batch_fn(0) returned a batch")
             full_init = init_fn
-            self._fused = jax.jit(step_fn, donate_argnums=0)
         else:
             raise ConfigError(f"step_fn must be elastic.optax_step(...) or a callable, got {type(step_fn).__name__}")
         self.job = ElasticJob(config, init_fn=full_init, shardings_fn=shardings_fn, mesh_fn=mesh_fn, faults=faults,
@@ -271,9 +282,32 @@ class Trainer:
         with self.job:
             return self.job.run(self._loop)
 
-    def _loop(self, run: Run) -> Any:
+    @property
+    def _loop(self) -> TrainerLoop:
+        plain = None if self._runner is not None else self._step
+        return TrainerLoop(runner=self._runner, plain=plain, batch_fn=self._batch_fn, config=self.job.config)
+
+
+class TrainerLoop:
+    """The Trainer's loop: what ``ElasticJob.run`` runs (in each worker process, in multi-process mode: it pickles
+    with the user's functions and the step runner, not the Trainer and its job)."""
+
+    def __init__(self, *, runner: StepRunner | None, plain: Callable[..., Any] | None, batch_fn: Callable[[int], Any],
+                 config: ElasticConfig) -> None:
+        self._runner, self._plain, self._batch_fn, self._config = runner, plain, batch_fn, config
+        self._fused: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_fused"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _fused=None)
+
+    def __call__(self, run: Run) -> Any:
         state = run.state
         if self._runner is None:  # a plain step needs a batch that splits on every mesh
+            if self._fused is None:
+                self._fused = jax.jit(self._plain, donate_argnums=0)
             fused = run.guard(self._fused)
             for step in run.steps:
                 state, out = fused(state, run.shard_batch(self._batch_fn(step)))
@@ -285,7 +319,7 @@ class Trainer:
             batch = self._batch_fn(step)
             size = batch_rows(batch, what=f"batch_fn({step}) returned")
             if opt.refuses_microbatches:
-                _check_splits(size, self.job.config)
+                _check_splits(size, self._config)
             state, loss = step_on_mesh(state, batch, run.key(step) if opt.rng else None)
             run.commit(state, loss=loss)
         return state

@@ -151,7 +151,10 @@ class StandbyGroup:
             self._log.info("standby_compiled", size=size, compiled=results[0]["compiled"],
                            seconds=round(max(r["seconds"] for r in results), 2), errors=results[0]["errors"])
         except Exception as err:  # noqa: BLE001 - an optimisation: a recovery onto this size compiles instead
-            self._log.warning("standby_failed", size=size, error=repr(err)[:300])
+            if self._closed:  # the job ended first: its helpers were stopped
+                self._log.info("standby_stopped", size=size)
+            else:
+                self._log.warning("standby_failed", size=size, error=repr(err)[:300])
         finally:
             for actor in actors:
                 try:

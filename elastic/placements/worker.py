@@ -244,7 +244,12 @@ class SliceWorker:
         start = time.monotonic()
         phases: dict[str, float] = {}
         self._holdings.end(keep_in_flight=plan.live)  # restoring an older step: the copy in flight is not wanted
-        self._close_tiers()
+        if self._persistent is not None and distributed.joined():
+            # An Orbax save of the old group may wait at a barrier for members that are gone: shut the old group's
+            # client first (that wait fails now), let the save end while the old backend still answers it, then
+            # leave. (A thread asking jax for its backend between leave and join would start a local one.)
+            distributed.disconnect()
+        self._close_tiers(timeout_s=30.0)
         self._prepared = self._final = None
         phases["end_group"] = time.monotonic() - start
         with self._lock:
@@ -407,13 +412,23 @@ class SliceWorker:
             self._persistent = PersistentTier(self._config.tiers.persistent_dir,
                                               every=self._config.tiers.persistent_every, job=self._config.job_name)
 
-    def _close_tiers(self) -> None:
-        if self._persistent is not None:
+    def _close_tiers(self, *, timeout_s: float = 300.0) -> None:
+        """Close the group's Orbax tier, waiting (up to ``timeout_s``) for a save in flight to end."""
+        tier, self._persistent = self._persistent, None
+        if tier is None:
+            return
+
+        def close() -> None:
             try:
-                self._persistent.close()
+                tier.close()
             except Exception as err:  # noqa: BLE001 - a broken group cannot finish a collective write
                 self._log.warning("persistent_close_failed", error=repr(err)[:200])
-            self._persistent = None
+
+        closing = threading.Thread(target=close, name="persistent-close", daemon=True)
+        closing.start()
+        closing.join(timeout_s)
+        if closing.is_alive():
+            self._log.warning("persistent_close_timed_out", seconds=timeout_s)
 
     def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
         leaves = jax.tree_util.tree_leaves(state)

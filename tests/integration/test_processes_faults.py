@@ -177,3 +177,20 @@ def test_without_keepers_losing_a_shard_and_its_copy_is_a_clear_error(ray_local)
         _sharded_job("processes-two-lost", keeper_every=0)
     assert time.monotonic() - started < 120
     assert os.environ.get("ELASTIC_HOME")  # the test's own home: nothing was written outside it
+
+
+@pytest.mark.timeout(180)
+def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_own_shards(ray_local, tmp_path) -> None:  # noqa: ANN001
+    """The same double loss with no keepers but an Orbax tier: every worker wrote its own shards of each checkpoint,
+    and the two survivors restore the newest one onto their mesh (tier "persistent")."""
+    config = ElasticConfig(job_name="processes-two-orbax", num_slices=4, devices_per_slice=2, num_steps=STEPS,
+                           snapshot_every=3, policy=Policy(min_slices=1),
+                           tiers=Tiers(keeper_every=0, persistent_dir=str(tmp_path / "ckpt"), persistent_every=3),
+                           processes=Processes(replace_lost=False, standby=False))
+    with ElasticJob(config, init_fn=_sharded_init, shardings_fn=_sharded_specs,
+                    faults=Faults().kill_slice(1, at_step=8).kill_slice(2, at_step=8)) as job:
+        result = job.run(_sharded_loop)
+    report = result.report
+    assert [r["tier"] for r in report.restores] == ["persistent"] and report.restores[0]["step"] in (3, 6)
+    assert report.duplicate_steps == 0 and report.skipped_steps == 0 and report.steps_committed == STEPS
+    np.testing.assert_allclose(np.asarray(result.state["w"]), _sharded_reference(STEPS), rtol=0, atol=1e-5)
