@@ -7,7 +7,13 @@ Public names load lazily, so Ray workers that host the supervisor and agents do 
 from __future__ import annotations
 
 import importlib
+from importlib import metadata as _metadata
 from typing import Any
+
+try:
+    __version__: str = _metadata.version("jax-elastic")
+except _metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 __all__ = (
     "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",

@@ -1,0 +1,49 @@
+"""Release basics: the version, the license, the type marker and the docs' config agree with pyproject."""
+from __future__ import annotations
+
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import elastic
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_version_comes_from_the_package_metadata():
+    assert elastic.__version__ == metadata.version("jax-elastic") == PYPROJECT["project"]["version"]
+
+
+def test_version_falls_back_when_not_installed(monkeypatch):
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    import importlib
+
+    try:
+        assert importlib.reload(elastic).__version__ == "0+unknown"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(elastic)
+    assert elastic.__version__ == PYPROJECT["project"]["version"]
+
+
+def test_license_is_apache_2_with_an_spdx_string():
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text.splitlines()[0] and "Version 2.0, January 2004" in text
+
+
+@pytest.mark.parametrize("package", ["elastic", "snapshot", "runtime"])
+def test_each_package_ships_py_typed(package):
+    assert (ROOT / package / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["*"]
+
+
+def test_changelog_has_an_entry_for_the_version():
+    assert f"## [{PYPROJECT['project']['version']}]" in (ROOT / "CHANGELOG.md").read_text()
