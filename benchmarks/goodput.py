@@ -133,7 +133,7 @@ def goodput_of(commits: list[tuple[int, float, int, Any]], steps: int, every: in
         return b[0] == a[0] + 1 and b[2] == a[2] and b[3] == a[3]
 
     intervals: dict[int, list[float]] = defaultdict(list)
-    for a, b in zip(commits, commits[1:]):
+    for a, b in zip(commits, commits[1:], strict=False):
         if steady(a, b):
             intervals[b[2]].append(b[1] - a[1])
     overall = float(np.median([t for v in intervals.values() for t in v]))

@@ -147,7 +147,7 @@ def _trees_equal(a: Any, b: Any) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     if len(la) != len(lb):
         return False
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         if not np.array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))):

@@ -148,10 +148,10 @@ def run(args: argparse.Namespace, job: str, actors: Actors, run_id: str) -> dict
     before = ray.get(supervisor.usage.remote(), timeout=30)
     start = time.monotonic()
     stopped_refs = {}
-    for s, offset in zip(victims, offsets):
+    for s, offset in zip(victims, offsets, strict=True):
         time.sleep(max(0.0, start + offset - time.monotonic()))
         stopped_refs[s] = agents[owner[s]].silence.remote([s])
-    stopped = dict(zip(stopped_refs, ray.get(list(stopped_refs.values()), timeout=30)))
+    stopped = dict(zip(stopped_refs, ray.get(list(stopped_refs.values()), timeout=30), strict=True))
     all_lost = wait_until_lost(supervisor, set(victims), time.monotonic() + 3 * args.timeout + 10)
     after = ray.get(supervisor.usage.remote(), timeout=30)
     measured_s = time.monotonic() - start

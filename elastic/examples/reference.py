@@ -42,7 +42,7 @@ class Placements:
     def moves(self) -> int:
         """How many times the slice set changed along the lineage."""
         steps = sorted(self.slices)
-        return sum(self.slices[a] != self.slices[b] for a, b in zip(steps, steps[1:]))
+        return sum(self.slices[a] != self.slices[b] for a, b in zip(steps, steps[1:], strict=False))
 
 
 def run_reference(job: ElasticJob, placements: Placements, step_fn: Callable[[Any, int, Mesh], Any]) -> Any:

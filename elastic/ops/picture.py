@@ -199,10 +199,10 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
             point(x, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
             snap_xy.append((x, last_snapshot))
     for (marker, colour, ms), xy in points.items():
-        xs, ys = zip(*xy)
+        xs, ys = zip(*xy, strict=True)
         top.plot(xs, ys, marker=marker, ms=ms, mew=2, color=colour, ls="none", zorder=6 if marker == "X" else 5)
     if snap_xy:
-        xs, ys = zip(*snap_xy)
+        xs, ys = zip(*snap_xy, strict=True)
         bottom.plot(xs, ys, drawstyle="steps-post", color=SNAP_STEP, lw=1, alpha=0.8, zorder=3)
         legend["newest snapshot step"] = Line2D([], [], color=SNAP_STEP)
 
@@ -219,7 +219,7 @@ def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[
             rate.append((x, r["steps_per_s"]))
     styles = ["-", "--", "-.", ":"]
     for i, (writer, points) in enumerate(per_writer.items()):
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         style = {"color": STEP, "lw": 1.8, "ls": styles[i % 4]}
         ax.plot(xs, ys, marker="." if len(xs) < 200 else None, zorder=4, **style)
         legend["committed step" + (f" ({writer})" if len(per_writer) > 1 else "")] = Line2D([], [], **style)
@@ -227,7 +227,7 @@ def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[
     ax.grid(axis="y", color="#eeeeee", zorder=1)
     if rate:
         twin = ax.twinx()
-        xs, ys = zip(*rate)
+        xs, ys = zip(*rate, strict=True)
         twin.plot(xs, ys, color=RATE, lw=1, ls="--", zorder=3)
         twin.set_ylabel("steps/s", color=RATE)
         twin.set_ylim(bottom=0, top=max(ys) * 1.15 or 1.0)

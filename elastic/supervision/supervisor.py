@@ -344,7 +344,7 @@ class Supervisor:
             async with cond:
                 try:
                     await asyncio.wait_for(cond.wait_for(lambda: self._view.epoch > after), timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self._client_waiting -= 1

@@ -86,7 +86,7 @@ def test_grain_iterator_keeps_its_position_on_a_live_reshard(ray_local):
 def test_an_iterator_without_get_state_is_refused(ray_local):
     def loop(run: Run) -> Any:
         data = run.data(lambda: iter(np.zeros((100, 48, 16), np.float32)))
-        for step in run.steps:
+        for _ in run.steps:
             run.commit(run.state, loss=next(data).sum())
         return run.state
 

@@ -65,7 +65,8 @@ def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
         for group in groups:
             group.shutdown()
             namespace = group._config.namespace  # noqa: SLF001
-            until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+            until(lambda: not named_actors(namespace), 15,  # noqa: B023 (called before the loop moves on)
+                  f"empty namespace (left: {named_actors(namespace)})")
 
 
 def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
@@ -101,7 +102,7 @@ def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
             time.sleep(0.3)  # some die after registering (the supervisor sees them die), some before
         ray.kill(agent, no_restart=True)
         next_incarnation += 1
-    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
     assert 2 <= len(seen) <= window_s / EVERY_S + 1, (seen, gaps)
     assert all(g >= EVERY_S - 0.25 for g in gaps), gaps  # at most once per respawn_every_s (poll slack)
     assert [s for s, _ in group.respawns] == [1] * len(group.respawns)

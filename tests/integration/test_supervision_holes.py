@@ -246,9 +246,10 @@ def test_closing_actors_leaves_no_file_and_no_actor(ray_local):
         group.launch()
         pid = ray.get(group.supervisor.usage.remote(), timeout=30)["pid"]
         group.shutdown()
-        until(lambda: exited(pid), 15, "exit of the supervisor's process")
+        until(lambda: exited(pid), 15, "exit of the supervisor's process")  # noqa: B023 (called at once)
         namespace = f"elastic-{job}"
-        until(lambda: not named_actors(namespace), 15, f"empty namespace (left: {named_actors(namespace)})")
+        until(lambda: not named_actors(namespace), 15,  # noqa: B023 (called at once)
+              f"empty namespace (left: {named_actors(namespace)})")
         assert not temp_files(job), temp_files(job)
         assert closed_last(job, group.run), events.read(job, group.run)[-3:]
         events.delete(job)

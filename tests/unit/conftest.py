@@ -1,1 +1,5 @@
-import os; os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"); os.environ.setdefault("JAX_PLATFORMS", "cpu")
+"""Unit tests run on 8 forced CPU devices, set before jax is imported."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -67,7 +67,7 @@ def _raise_during(inner: BaseException) -> BaseException:
         try:
             raise inner
         except BaseException:
-            raise KeyError("while handling the failure")  # implicit __context__
+            raise KeyError("while handling the failure")  # noqa: B904 (the implicit __context__ is the case)
     except KeyError as outer:
         return outer
 

@@ -79,7 +79,7 @@ def test_restores_bit_for_bit_onto_a_smaller_mesh(saved):
         step, restored, meta = tier.load(target)
     assert step == 10
     assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for got, want, abstract in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target)):
+    for got, want, abstract in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
         assert host_bits(got) == host_bits(want)
         assert got.sharding == abstract.sharding
     assert str(restored["keys"].dtype) == "key<fry>" and str(jax.random.key_impl(restored["keys"])) == "threefry2x32"

@@ -58,7 +58,8 @@ def test_the_error_listeners_lines_leave_stdout(ray_logger, capsys, monkeypatch)
 
 def test_jaxs_fork_warning_is_ignored_only_while_ray_starts():
     def fork_warning():
-        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code", RuntimeWarning)
+        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code",  # noqa: B028 (as jax warns)
+                      RuntimeWarning)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
