@@ -19,6 +19,7 @@ class Chunk:
 
     @property
     def stop(self) -> int:
+        """One past the chunk's last row."""
         return self.start + self.size
 
 

@@ -13,6 +13,7 @@ __all__ = ["FailureKind", "classify_failure", "is_recoverable", "is_slice_loss"]
 
 
 class FailureKind(enum.Enum):
+    """What a failure means for the job: lose a slice, a hung step, or neither (re-raise)."""
     SLICE_LOSS = "slice_loss"  # devices are gone: recover on the survivors
     HUNG = "hung"  # a step made no progress within its bound: probe, then recover as from a slice loss
     OTHER = "other"  # a bug or bad input: surface it
@@ -54,6 +55,7 @@ def classify_failure(err: BaseException) -> FailureKind:
 
 
 def is_slice_loss(err: BaseException) -> bool:
+    """``err`` means devices are gone (``classify_failure`` says ``SLICE_LOSS``)."""
     return classify_failure(err) is FailureKind.SLICE_LOSS
 
 

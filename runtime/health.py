@@ -40,6 +40,7 @@ class SliceProbe:
     slices: Sequence[Slice]
 
     def dispatch(self) -> list[tuple[Slice, jax.Array | BaseException]]:
+        """Start every slice's probe; a slice whose dispatch fails carries its error."""
         pending: list[tuple[Slice, jax.Array | BaseException]] = []
         for s in self.slices:
             try:
@@ -71,5 +72,6 @@ class SliceProbe:
 
 
 def probe_slices(slices: Sequence[Slice], timeout_s: float | None = None) -> frozenset[int]:
+    """Indices of the slices whose probe failed or did not answer within ``timeout_s``."""
     probe = SliceProbe(slices)
     return probe.collect(probe.dispatch(), timeout_s)

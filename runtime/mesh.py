@@ -47,4 +47,5 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """A sharding that puts the whole array on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())

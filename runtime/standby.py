@@ -140,9 +140,11 @@ class StandbyCompiler:
             return bool(self._calls) and all((i, sig, key) in self._done for (i, sig) in self._calls)
 
     def wait(self, timeout: float) -> bool:
+        """Wait until no compile is queued or running; False when ``timeout`` passed first."""
         return self._idle.wait(timeout)
 
     def close(self) -> None:
+        """Stop the compile thread (waits for the compile in progress, 30 s at most)."""
         self._queue.put(None)
         self._thread.join(timeout=30)
 

@@ -27,6 +27,7 @@ class Slice:
 
     @property
     def device_ids(self) -> frozenset[int]:
+        """Ids of the slice's devices."""
         return frozenset(d.id for d in self.devices)
 
 
@@ -45,17 +46,21 @@ class Topology:
 
     @property
     def num_slices(self) -> int:
+        """Slices in the topology."""
         return len(self.slices)
 
     @property
     def devices_per_slice(self) -> int:
+        """Devices in each slice."""
         return len(self.slices[0].devices)
 
     @property
     def indices(self) -> frozenset[int]:
+        """The slices' indices."""
         return frozenset(s.index for s in self.slices)
 
     def slice(self, index: int) -> Slice:
+        """The slice with ``index``; ``TopologyError`` when there is none."""
         for s in self.slices:
             if s.index == index:
                 return s
@@ -66,6 +71,7 @@ class Topology:
         return tuple(self.slice(i) for i in sorted(indices))
 
     def slice_of(self, device: Any) -> int:
+        """The index of the slice holding ``device``; ``TopologyError`` when none does."""
         for s in self.slices:
             if device.id in s.device_ids:
                 return s.index

@@ -78,6 +78,7 @@ class HostImage:
 
     @property
     def nbytes(self) -> int:
+        """Host bytes of every piece of every leaf."""
         return sum(leaf.nbytes for leaf in self.leaves)
 
     def verify(self) -> None:

@@ -270,6 +270,7 @@ class Snapshotter:
 
     @property
     def steps(self) -> tuple[int, ...]:
+        """Steps of the complete generations held, oldest first."""
         with self._cv:
             return tuple(g.step for g in self._generations)
 
@@ -382,6 +383,7 @@ class Snapshotter:
         return to_image(gen, self._engine, {d for d in devices if reachable(self._guard, d)}, copy=copy)
 
     def stats(self) -> dict[str, Any]:
+        """Counters and timings: snapshots requested, taken, coalesced, failed; blocking and copy seconds."""
         with self._cv:
             s = dict(self._stats)
             newest = self._generations[-1] if self._generations else None

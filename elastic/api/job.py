@@ -286,6 +286,7 @@ class ElasticJob:
 
     @property
     def group(self) -> ActorGroup:
+        """The job's Ray actors (supervisor, agents); raises ``ElasticError`` before the job is started."""
         if self._group is None:
             raise ElasticError("the job is not started: use `with ElasticJob(...) as job:` or job.start()")
         return self._group
@@ -337,12 +338,15 @@ class ElasticJob:
 
     @property
     def ledger(self) -> Ledger:
+        """The committed steps, as ranges, with the batches each consumed."""
         return self._acct.ledger
 
     @property
     def report(self) -> Report:
+        """The run's report so far (recoveries, restores, snapshot figures); final once ``run`` returns."""
         return self._acct.report
 
     @property
     def timeline(self) -> Timeline:
+        """The run's events in order (failure, detection, restore, first step, grow, ...)."""
         return self._acct.timeline

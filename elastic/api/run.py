@@ -82,18 +82,22 @@ class Run:
 
     @property
     def epoch(self) -> int:
+        """The membership view's epoch this pass runs on."""
         return self.view.epoch
 
     @property
     def slices(self) -> tuple[int, ...]:
+        """The slices this pass runs on, in index order."""
         return tuple(sorted(self.view.active))
 
     @property
     def num_devices(self) -> int:
+        """Devices in this pass's mesh."""
         return len(self._devices)
 
     @property
     def num_steps(self) -> int:
+        """The job's step count (``ElasticConfig.num_steps``)."""
         return self._host.num_steps
 
     @property

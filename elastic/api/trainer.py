@@ -89,13 +89,16 @@ class OptaxStep:
 
     @property
     def has_aux(self) -> bool:
+        """The state carries ``aux`` (``aux_init`` was given)."""
         return self.aux_init is not None
 
     @property
     def refuses_microbatches(self) -> bool:
+        """An ``aux`` step that may not be split into micro-batches (``microbatch_aux="refuse"``)."""
         return self.has_aux and self.microbatch_aux == "refuse"
 
     def init(self, params: Any) -> dict[str, Any]:
+        """The initial state: ``{"params", "opt_state"}``, plus ``"aux"`` with ``aux_init``."""
         state = {"params": params, "opt_state": self.optimizer.init(params)}
         if self.aux_init is not None:
             state["aux"] = self.aux_init(params)
@@ -120,6 +123,7 @@ class OptaxStep:
         return out
 
     def apply(self, state: dict[str, Any], grads: Any, aux: Any = None) -> dict[str, Any]:
+        """One optimizer update of ``state`` by ``grads``; ``aux`` becomes the new ``state["aux"]``."""
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
         if self.has_aux:
@@ -244,6 +248,13 @@ def _check_splits(rows: int, config: ElasticConfig) -> None:
 
 
 class Trainer:
+    """A batteries-included loop over ``ElasticJob``: ``fit()`` trains ``num_steps`` steps of ``step_fn`` on
+    ``batch_fn(step)``'s batches and returns the ``JobResult``.
+
+    ``step_fn`` is an ``optax_step`` (micro-batches with gradient accumulation where the global batch no
+    longer divides over the devices) or a plain ``(state, batch) -> (state, loss)``. The batch size is checked
+    against every device count the job may run on when the Trainer is built.
+    """
     def __init__(self, *, init_fn: Callable[[jax.Array], Any], step_fn: OptaxStep | Callable[..., Any],
                  batch_fn: Callable[[int], Any], config: ElasticConfig, shardings_fn: ShardingsFn | None = None,
                  mesh_fn: runtime.MeshFn | None = None, faults: FaultPlan | None = None,

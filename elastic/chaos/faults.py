@@ -70,6 +70,7 @@ class Faults:
 
     @property
     def faults(self) -> tuple[Fault, ...]:
+        """The planned faults, ordered by step."""
         return tuple(sorted(self._faults, key=lambda f: f.at_step))
 
     def validate(self, *, num_slices: int, num_steps: int) -> None:

@@ -120,6 +120,7 @@ class Report:
     extra: dict[str, Any] = field(default_factory=dict)  # mode-specific figures (multi-process: worker processes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (``extra`` merged in), as ``--json`` prints it."""
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
         out.update(self.extra)
         return out
