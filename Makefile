@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/elastic demo
 
-test: $(STAMP)
+test: lint docs
 	$(BIN)/python ../shared/tools/check_layers.py . || test ! -f ../shared/tools/check_layers.py
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder  # two workers, whole files each, longest first (tests/conftest.py): most tests wait on Ray, not the CPU
+
+lint: $(STAMP)  # ruff's lint rules and mypy, as configured in pyproject.toml
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+docs: $(STAMP)  # the docs site into site/; --strict: a broken link or a public name without a docstring fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
@@ -27,4 +34,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/supervisor_scale.py --slices 1024 --json
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site .mypy_cache .ruff_cache

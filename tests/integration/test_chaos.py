@@ -1,6 +1,7 @@
 """`elastic chaos` and the `elastic_chaos` pytest fixture: seeded fault schedules, every promise checked.
 
-The user target and the user's test file are the README's own code blocks, written to a temp dir.
+The user target and the user's test file are the chaos guide's own code blocks (docs/guides/chaos.md), written to a
+temp dir.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ ELASTIC = Path(sys.executable).parent / "elastic"
 
 
 def readme_block(first_line: str) -> str:
-    """The README's python block that starts with ``first_line``."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    """The chaos guide's python block that starts with ``first_line``."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "guides" / "chaos.md").read_text(), flags=re.S)
     (block,) = [b for b in blocks if b.startswith(first_line + "\n")]
     return block
 

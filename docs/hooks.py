@@ -1,0 +1,47 @@
+"""mkdocs hook: a public name without a docstring fails ``mkdocs build --strict``.
+
+Public: each name in the ``__all__`` of ``elastic``, ``snapshot`` and ``runtime`` (classes, functions, modules),
+and the public methods and properties each such class defines itself. The reference pages render the same names.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import Any
+
+log = logging.getLogger("mkdocs.hooks.docstrings")  # a warning under the "mkdocs" logger fails a strict build
+
+PACKAGES = ("elastic", "snapshot", "runtime")
+
+
+def _own_doc(obj: Any) -> str | None:
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    return doc.strip() if isinstance(doc, str) and doc.strip() else None
+
+
+def missing_docstrings() -> list[str]:
+    """Dotted names of the public API that have no docstring of their own."""
+    missing = []
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not (inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj)):
+                continue  # constants and type aliases carry no docstring of their own
+            if _own_doc(obj) is None:
+                missing.append(f"{package}.{name}")
+            if not inspect.isclass(obj):
+                continue
+            for attr, member in vars(obj).items():
+                if attr.startswith("_"):
+                    continue
+                func = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+                if inspect.isfunction(func) and _own_doc(func) is None:
+                    missing.append(f"{package}.{name}.{attr}")
+    return missing
+
+
+def on_pre_build(config: Any) -> None:
+    for name in missing_docstrings():
+        log.warning("public name without a docstring: %s", name)
