@@ -21,7 +21,7 @@ def _force_cpu_devices(count: int) -> None:
     """Give jax ``count`` CPU devices; must run before jax initialises its backends."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+    jax.config.update("jax_num_cpu_devices", max(count, jax.config.values["jax_num_cpu_devices"] or 1))
 
 
 def _stdout_for_result() -> TextIO:

@@ -58,7 +58,7 @@ def wait_ready(tree: Any, devices: Iterable[Any], *, timeout_s: float | None = N
 
 def _poll(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint: str) -> None:
     """Return once every array of ``tree`` is ready (done or failed); ``StepHungError`` past ``timeout_s``."""
-    arrays = [getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
+    arrays: list[Any] = [getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
               for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, jax.Array)]
     start = time.monotonic()
     deadline = start + timeout_s

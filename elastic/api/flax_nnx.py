@@ -46,7 +46,7 @@ _FIX = ("use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit 
 
 def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
     """``rules`` as a tuple of ``(name, mesh axis or axes or None)`` pairs; ``ConfigError`` otherwise."""
-    pairs = tuple(tuple(r) if isinstance(r, (tuple, list)) else r for r in rules)
+    pairs: tuple[Any, ...] = tuple(tuple(r) if isinstance(r, (tuple, list)) else r for r in rules)
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
             raise ConfigError(f"axis_rules entry {pair!r}: give (annotation name, mesh axis or None) pairs, "
@@ -124,7 +124,8 @@ class NnxAdapter:
         paths = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         fixed = [mesh_spec(spec, (), mesh, where=f"state leaf {jax.tree_util.keystr(path)}")  # rules applied above
                  for path, spec in paths]
-        return jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)).unflatten(fixed)
+        treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return jax.tree_util.tree_unflatten(treedef, fixed)
 
     def merge(self, state: nnx.State) -> tuple[nnx.Module, nnx.Optimizer]:
         """``(model, optimizer)`` over ``state``'s arrays (new objects; updating them does not change ``state``)."""

@@ -57,7 +57,7 @@ def state_shardings(abstract: Any, shardings_fn: ShardingsFn, mesh: Mesh) -> Any
     paths = jax.tree_util.tree_leaves_with_path(abstract)
     leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, Sharding)))
     shardings = [_sharding(mesh, path, leaf, spec) for (path, leaf), spec in zip(paths, leaves, strict=True)]
-    return jax.tree_util.tree_structure(abstract).unflatten(shardings)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), shardings)
 
 
 def check_splits(abstract: Any, shardings_fn: ShardingsFn, mesh: Mesh) -> None:

@@ -164,7 +164,8 @@ def _merge_aux(weights: tuple[float, ...], trees: list[Any]) -> Any:
     def merge(*xs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(xs[0].dtype, jnp.inexact):
             return xs[0]
-        return sum(w * x for w, x in zip(weights, xs, strict=True)).astype(xs[0].dtype)
+        total: Any = sum(w * x for w, x in zip(weights, xs, strict=True))  # an array: xs are
+        return total.astype(xs[0].dtype)
 
     return jax.tree_util.tree_map(merge, *trees)
 
@@ -295,7 +296,7 @@ class Trainer:
 
     @property
     def _loop(self) -> TrainerLoop:
-        plain = None if self._runner is not None else self._step
+        plain = None if self._runner is not None or isinstance(self._step, OptaxStep) else self._step
         return TrainerLoop(runner=self._runner, plain=plain, batch_fn=self._batch_fn, config=self.job.config)
 
 
@@ -318,6 +319,7 @@ class TrainerLoop:
         state = run.state
         if self._runner is None:  # a plain step needs a batch that splits on every mesh
             if self._fused is None:
+                assert self._plain is not None  # a Trainer gives a runner or a plain step
                 self._fused = jax.jit(self._plain, donate_argnums=0)
             fused = run.guard(self._fused)
             for step in run.steps:

@@ -86,6 +86,7 @@ def reference_params(spec: ProcessDemoSpec, devices: int | None = None) -> tuple
     loss = None
     for step in range(spec.steps):
         state, loss = step_fn(state, jax.device_put(batch(step, BATCH), rows))
+    assert loss is not None, "spec.steps must be positive"
     return jax.device_get(state["params"]), float(loss)
 
 

@@ -87,7 +87,7 @@ def build_model(rngs: nnx.Rngs) -> CNN:
     return CNN(rngs=rngs)
 
 
-def build_optimizer(model: CNN) -> nnx.Optimizer:
+def build_optimizer(model: nnx.Module) -> nnx.Optimizer:
     return nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
 
 
@@ -164,6 +164,7 @@ def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, veri
         result = job.run(make_loop(adapter))
     out = result.report.to_dict()
     model = adapter.module(result.state)
+    assert isinstance(model, CNN)
     out.update(global_batch=BATCH, slice_moves=placements.moves(), eval_accuracy=eval_accuracy(model),
                dropout_rng_count=int(model.dropout1.rngs.count[...]))
     if verify and mode == "multi-process":

@@ -195,7 +195,7 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
         elif kind == "progress" and r.get("snapshot_step") is not None and r["snapshot_step"] != last_snapshot:
             last_snapshot = r["snapshot_step"]
             tier = r.get("snapshot_tier")
-            colour, marker = SNAPSHOT.get(tier, (REFUSED, "o"))
+            colour, marker = SNAPSHOT.get(str(tier), (REFUSED, "o"))
             point(x, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
             snap_xy.append((x, last_snapshot))
     for (marker, colour, ms), xy in points.items():
@@ -220,7 +220,7 @@ def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[
     styles = ["-", "--", "-.", ":"]
     for i, (writer, points) in enumerate(per_writer.items()):
         xs, ys = zip(*points, strict=True)
-        style = {"color": STEP, "lw": 1.8, "ls": styles[i % 4]}
+        style: dict[str, Any] = {"color": STEP, "lw": 1.8, "ls": styles[i % 4]}
         ax.plot(xs, ys, marker="." if len(xs) < 200 else None, zorder=4, **style)
         legend["committed step" + (f" ({writer})" if len(per_writer) > 1 else "")] = Line2D([], [], **style)
     ax.set_ylabel("committed step")

@@ -125,6 +125,7 @@ def failure_gaps(mtbf_s: float, *, seed: int, horizon_failures: int | None = Non
             raise ConfigError(f"horizon_failures must be an int in 1..{MAX_FAILURES:,}, got {horizon_failures!r}")
         return rng.exponential(mtbf_s, horizon_failures)
     _number("horizon_hours", horizon_hours, "hours")
+    assert horizon_hours is not None  # exactly one horizon, checked above
     horizon_s = horizon_hours * 3600.0
     expected = horizon_s / mtbf_s
     if expected > MAX_FAILURES:
