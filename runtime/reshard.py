@@ -26,8 +26,8 @@ def as_shardings(mesh: Mesh, specs: Any) -> Any:
 
 def check_structure(state: Any, shardings: Any, *, what: str = "state") -> None:
     """Raise :class:`StructureError` naming the difference when the two trees differ."""
-    state_def = jax.tree_util.tree_structure(state)
-    shard_def = jax.tree_util.tree_structure(shardings, is_leaf=_is_spec_or_sharding)
+    state_def: Any = jax.tree_util.tree_structure(state)  # a jaxlib PyTreeDef, which mypy cannot resolve
+    shard_def: Any = jax.tree_util.tree_structure(shardings, is_leaf=_is_spec_or_sharding)
     if state_def != shard_def:
         raise StructureError(
             f"the {what} and its shardings differ in structure: {what} has {state_def.num_leaves} leaves "

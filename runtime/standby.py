@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 __all__ = ["Signature", "StandbyCompiler", "mesh_key", "portable", "rebuild"]
 
 
-def mesh_key(mesh: Mesh) -> tuple[Any, ...]:
+def mesh_key(mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
     """What identifies a mesh for an executable: its axes and its devices in order."""
     return tuple(mesh.axis_names), tuple(mesh.devices.shape), tuple(d.id for d in mesh.devices.flat)
 
@@ -46,7 +46,7 @@ class Signature:
                 out.append((tuple(x.shape), x.dtype, s.spec, bool(getattr(x, "weak_type", False))))
             elif isinstance(x, (bool, int, float)):
                 aval = jax.typeof(x)
-                out.append(((), aval.dtype, None, bool(getattr(aval, "weak_type", True))))
+                out.append(((), aval.dtype, None, bool(getattr(aval, "weak_type", True))))  # type: ignore[arg-type]
             else:
                 return None
         return cls(treedef, tuple(out))
@@ -181,7 +181,7 @@ class StandbyCompiler:
             return
         t0 = time.perf_counter()
         try:
-            fn.lower(*abstract).compile()
+            fn.lower(*abstract).compile()  # type: ignore[attr-defined]  # fn is a jax.jit function
         except Exception:  # noqa: BLE001 - a standby that cannot compile leaves recovery to compile
             self.stats.failed += 1
             return

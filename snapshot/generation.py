@@ -90,7 +90,7 @@ def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any
 
 def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine) -> jax.Array:
     if engine.name == "device":
-        arrays = []
+        arrays: list[jax.Array] = []
         exact = True
         for device, idx in sharding.addressable_devices_indices_map(rec.shape).items():
             src = chosen.get(region(idx, rec.shape))
@@ -100,7 +100,7 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
             local = jax.device_put(src.array, SingleDeviceSharding(src.device, memory_kind="device"))
             arrays.append(jax.device_put(local, SingleDeviceSharding(device)))  # device to device
         if exact:
-            arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, arrays)
+            arr: jax.Array = jax.make_array_from_single_device_arrays(rec.shape, sharding, arrays)
             return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
     arr = place(rec.shape, np.dtype(rec.dtype), sharding, [(index, engine.host_view(c)) for index, c in chosen.items()])
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
@@ -123,7 +123,11 @@ def restore_generation(gen: Generation, targets: list[Sharding | None], availabl
                               if rec.is_array else {})
     placed = []
     for rec, chosen, sharding in zip(gen.leaves, chosen_by_leaf, targets, strict=True):
-        placed.append(copylib.deepcopy(rec.value) if not rec.is_array else _place_leaf(rec, chosen, sharding, engine))
+        if not rec.is_array:
+            placed.append(copylib.deepcopy(rec.value))
+            continue
+        assert sharding is not None  # an array leaf has a target
+        placed.append(_place_leaf(rec, chosen, sharding, engine))
     return jax.tree_util.tree_unflatten(gen.treedef, placed)
 
 

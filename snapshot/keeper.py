@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -41,7 +41,7 @@ def _private_copy(image: HostImage) -> HostImage:
     return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
 
 
-@ray.remote(max_concurrency=4)
+@ray.remote(max_concurrency=4)  # type: ignore[call-overload]  # ray's stubs lack actor options
 class Keeper:
     """Holds the newest ``keep`` images of one job, ordered by step.
 
@@ -198,7 +198,7 @@ class KeeperTier:
         self._pending: HostImage | None = None
         self._busy = self._closing = self._none_left = False
         self._thread: threading.Thread | None = None
-        self._offered, self._last_sent = 0, None
+        self._offered, self._last_sent = 0, cast("int | None", None)
         self._stats: dict[str, int] = {"keeper_pushes": 0, "keeper_coalesced": 0, "keeper_push_failures": 0, "keeper_skipped": 0}
 
     def start(self) -> KeeperTier:
@@ -213,7 +213,7 @@ class KeeperTier:
         nodes = _placements(self._num, avoid)
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
-            self._keepers[name] = Keeper.options(
+            self._keepers[name] = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
                 name=name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(self._keep)
@@ -322,6 +322,7 @@ class KeeperTier:
                 if self._closing:
                     return
                 image, self._pending, self._busy = self._pending, None, True
+            assert image is not None  # woken with an image pending
             try:
                 self._send(image)
             except Exception as err:  # noqa: BLE001 - the thread must survive; the failure is counted

@@ -54,11 +54,15 @@ class LeafPlan:
         return sum(p.nbytes for p in self.pieces)
 
 
+def _device_id(device: Any) -> int:
+    return int(device.id)
+
+
 def devices_by_slice(leaves: Sequence[jax.Array], slice_of: SliceOf) -> dict[int, list[Any]]:
     """Every device holding a shard of ``leaves``, grouped by slice."""
     out: dict[int, list[Any]] = defaultdict(list)
     for leaf in leaves:
-        for d in sorted(leaf.sharding.device_set, key=lambda d: d.id):
+        for d in sorted(leaf.sharding.device_set, key=_device_id):
             if d not in out[slice_of(d)]:
                 out[slice_of(d)].append(d)
     return dict(out)

@@ -385,7 +385,7 @@ class Snapshotter:
     def stats(self) -> dict[str, Any]:
         """Counters and timings: snapshots requested, taken, coalesced, failed; blocking and copy seconds."""
         with self._cv:
-            s = dict(self._stats)
+            s: dict[str, Any] = dict(self._stats)
             newest = self._generations[-1] if self._generations else None
             busy = (self._pending is not None) + (self._in_flight is not None)
             held = sum(b.nbytes for slot in self._slots.values() for b in slot.values())

@@ -86,9 +86,11 @@ def restore_staged(req: StagedRequest, sources: list[list[list[tuple[Any, np.nda
         if not isinstance(leaf, StagedLeaf):
             placed.append(copylib.deepcopy(leaf))
             continue
-        pieces, own = [], {}
-        for index, sources in leaf.pieces:
-            live = [(d, v, a) for d, v, a in sources if d in available and reachable(guard, d)]
+        pieces: list[tuple[Index, np.ndarray]] = []
+        own: dict[tuple[Any, Index], jax.Array] = {}
+        assert sharding is not None  # an array leaf has a target
+        for index, shard_sources in leaf.pieces:
+            live = [(d, v, a) for d, v, a in shard_sources if d in available and reachable(guard, d)]
             if not live:
                 raise SnapshotUnavailableError(req.step, i, ())
             pieces.append((index, live[0][1]))

@@ -142,7 +142,7 @@ def run_reference_processes(job: ElasticJob, placements: Placements,
     cfg = job.config
     env = distributed.collective_env(cfg.devices_per_slice,
                                      collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5)
-    remote = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0)
+    remote: Any = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0)
     init = jax.jit(job._init_fn)(jax.random.key(cfg.seed))  # noqa: SLF001 - the job's own init
     abstract = jax.eval_shape(job._init_fn, jax.random.key(cfg.seed))  # noqa: SLF001
     host = jax.tree_util.tree_map(lambda x: _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
