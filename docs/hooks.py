@@ -17,7 +17,11 @@ PACKAGES = ("elastic", "snapshot", "runtime")
 
 def _own_doc(obj: Any) -> str | None:
     doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
-    return doc.strip() if isinstance(doc, str) and doc.strip() else None
+    if not isinstance(doc, str) or not doc.strip():
+        return None
+    if inspect.isclass(obj) and doc.startswith(f"{obj.__name__}("):
+        return None  # the signature a dataclass writes when its class has no docstring
+    return doc.strip()
 
 
 def missing_docstrings() -> list[str]:

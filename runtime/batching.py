@@ -13,6 +13,8 @@ __all__ = ["Chunk", "plan_microbatches"]
 
 @dataclass(frozen=True, kw_only=True)
 class Chunk:
+    """Rows ``start`` to ``stop`` of a global batch, one micro-batch of ``plan_microbatches``."""
+
     start: int
     size: int
     sharded: bool  # True: split over every device; False: replicated on each

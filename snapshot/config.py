@@ -33,6 +33,8 @@ class SnapshotConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SnapshotInfo:
+    """A complete snapshot: its step, generation, bytes of state and the number of copies of each byte."""
+
     step: int
     generation: int
     state_bytes: int
@@ -41,6 +43,9 @@ class SnapshotInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class Restored:
+    """What ``load`` placed: the state of ``step`` from ``generation``, its ``meta``, and the tier and source
+    it came from."""
+
     step: int
     generation: int
     state: Any

@@ -39,6 +39,8 @@ StepCallback = Callable[[int, dict[str, Any], Any], None]
 
 @dataclass(frozen=True, kw_only=True)
 class JobResult:
+    """What ``ElasticJob.run`` returns: the final state, the loop's return value and the run's report."""
+
     state: Any  # the state after the last committed step
     value: Any  # what the loop returned
     report: Report

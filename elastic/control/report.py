@@ -86,6 +86,9 @@ class Timeline:
 
 @dataclass(kw_only=True)
 class Report:
+    """A run's figures: slices seen, failures and recoveries, steps committed and recomputed, snapshots,
+    restores and their tiers, recovery seconds; ``to_dict()`` is what ``--json`` prints."""
+
     slices_initial: int
     slices_final: int = 0
     min_slices_seen: int = 0

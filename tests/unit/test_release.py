@@ -47,3 +47,20 @@ def test_each_package_ships_py_typed(package):
 
 def test_changelog_has_an_entry_for_the_version():
     assert f"## [{PYPROJECT['project']['version']}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_readme_is_a_first_visit_with_the_two_commands_first():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    assert lines[3].startswith("make demo ") and lines[4].startswith("make test ")
+
+
+def test_every_public_name_has_a_docstring():
+    """What the docs' strict build checks (docs/hooks.py), here without building the site."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.missing_docstrings() == []
