@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import time
+from typing import Any
 
 import jax
 import jax.extend.backend
@@ -104,7 +105,7 @@ class CoordinationService:
         return self._service is not None
 
 
-def _state():  # noqa: ANN202 - jax's private State object
+def _state() -> Any:  # jax's private State object
     from jax._src import distributed
 
     return distributed.global_state

@@ -33,7 +33,7 @@ class StepHungError(TimeoutError):
                    "ready (a hung collective or a wedged device)")
         super().__init__(message + (f"; {hint}" if hint else ""))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.what, self.timeout_s, self.pending, self.total, self.hint))
 
 
