@@ -1,4 +1,4 @@
-"""mkdocs hook: a public name without a docstring fails ``mkdocs build --strict``.
+"""mkdocs hooks: a public name without a docstring fails ``mkdocs build --strict``; Sphinx roles are dropped.
 
 Public: each name in the ``__all__`` of ``elastic``, ``snapshot`` and ``runtime`` (classes, functions, modules),
 and the public methods and properties each such class defines itself. The reference pages render the same names.
@@ -8,11 +8,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 from typing import Any
 
 log = logging.getLogger("mkdocs.hooks.docstrings")  # a warning under the "mkdocs" logger fails a strict build
 
 PACKAGES = ("elastic", "snapshot", "runtime")
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):(?=<code>)")  # a Sphinx role before a code span
 
 
 def _own_doc(obj: Any) -> str | None:
@@ -49,3 +51,8 @@ def missing_docstrings() -> list[str]:
 def on_pre_build(config: Any) -> None:
     for name in missing_docstrings():
         log.warning("public name without a docstring: %s", name)
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    """The docstrings' Sphinx roles (``:class:`X```) read as plain code spans."""
+    return _ROLE.sub("", html)
