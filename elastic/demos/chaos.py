@@ -1,5 +1,5 @@
 """The chaos target ``elastic chaos`` uses without ``--target``: the demo model (elastic/demo.py) in a
-plain optax loop wrapped as the README shows, sized to run a schedule in a few seconds.
+plain optax loop wrapped as docs/getting-started.md shows, sized to run a schedule in a few seconds.
 
 A target is a zero-argument function returning ``ElasticJob``'s keyword arguments plus ``loop``.
 """

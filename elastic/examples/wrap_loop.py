@@ -1,4 +1,4 @@
-"""The README's example: a plain jax + optax loop made elastic with a few lines.
+"""The getting-started example (docs/getting-started.md): a plain jax + optax loop made elastic with a few lines.
 
     python -m elastic.examples.wrap_loop
 """
