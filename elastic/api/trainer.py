@@ -164,7 +164,7 @@ def _merge_aux(weights: tuple[float, ...], trees: list[Any]) -> Any:
     def merge(*xs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(xs[0].dtype, jnp.inexact):
             return xs[0]
-        total: Any = sum(w * x for w, x in zip(weights, xs, strict=True))  # an array: xs are
+        total: Any = sum(w * x for w, x in zip(weights, xs, strict=True))  # an array, though sum() types it int
         return total.astype(xs[0].dtype)
 
     return jax.tree_util.tree_map(merge, *trees)
