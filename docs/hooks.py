@@ -9,6 +9,8 @@ import importlib
 import inspect
 import logging
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("mkdocs.hooks.docstrings")  # a warning under the "mkdocs" logger fails a strict build
@@ -49,6 +51,9 @@ def missing_docstrings() -> list[str]:
 
 
 def on_pre_build(config: Any) -> None:
+    root = str(Path(config["config_file_path"]).resolve().parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)  # check this checkout's packages, whichever one is installed
     for name in missing_docstrings():
         log.warning("public name without a docstring: %s", name)
 
