@@ -6,8 +6,6 @@ crossing a Ray actor boundary.
 """
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError", "SupervisorError",
            "SupervisorLostError"]
 
@@ -15,7 +13,7 @@ __all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError",
 class ElasticError(Exception):
     """Root of every error this project raises on purpose."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), self.args)
 
 
@@ -31,7 +29,7 @@ class GiveUpError(ElasticError):
         self.reason = reason
         self.epoch = epoch
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_give_up, (self.reason, self.epoch))
 
 

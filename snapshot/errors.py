@@ -1,8 +1,6 @@
 """Errors of the snapshot data plane."""
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError", "SnapshotFailedError",
            "SnapshotStructureError", "SnapshotUnavailableError"]
 
@@ -19,7 +17,7 @@ class SnapshotCorruptError(SnapshotError):
         self.step = step
         self.leaf = leaf
 
-    def __reduce__(self) -> tuple[Any, ...]:  # survive crossing a process boundary
+    def __reduce__(self) -> tuple[object, ...]:  # survive crossing a process boundary
         return (type(self), (self.step, self.leaf))
 
 
@@ -48,7 +46,7 @@ class SnapshotUnavailableError(SnapshotError, LookupError):
         self.leaf = leaf
         self.slices = slices
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.step, self.leaf, self.slices))
 
 
@@ -60,5 +58,5 @@ class SnapshotFailedError(SnapshotError):
         self.step = step
         self.cause = cause
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.step, self.cause))

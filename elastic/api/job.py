@@ -67,8 +67,8 @@ def _use_compilation_cache(job_name: str) -> str:
     one), so that a client restarted on this machine recompiles nothing it compiled before. JAX reads the
     setting once per process: the first job of a process names the directory. Returns the directory (the
     workers of a multi-process job and its standby group share it)."""
-    if jax.config.values["jax_compilation_cache_dir"]:
-        return str(jax.config.values["jax_compilation_cache_dir"])
+    if jax.config.jax_compilation_cache_dir:
+        return str(jax.config.jax_compilation_cache_dir)
     directory = os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -215,7 +215,6 @@ class ElasticJob:
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
-            assert self._group.run is not None  # launch() named the run
             stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
             self._client_events = ClientEvents(stream, self._last_completed).attach(self._acct)
         self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,

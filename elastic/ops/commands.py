@@ -117,7 +117,7 @@ def _inject(args: argparse.Namespace) -> int:
         supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
     except ValueError as err:
         raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
-    out: Any = ray.get(supervisor.inject.remote(args.fault, args.slice, token), timeout=30)
+    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token), timeout=30)
     print(json.dumps({"job": args.job, **out}) if args.json else
           f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}", flush=True)
     return 0

@@ -31,7 +31,8 @@ KILL = "#7f0000"  # a kill injected by the chaos tools
 HEALED = "#2ca02c"  # a lost slice healthy again
 REFUSED = "#7f7f7f"
 RECOVERY = "#fdd49e"  # opaque, under everything else
-SNAPSHOT = {"memory": ("#17becf", "|"), "keeper": ("#9467bd", "D"), "persistent": ("#8c564b", "s")}
+SNAPSHOT: dict[str | None, tuple[str, str]] = {"memory": ("#17becf", "|"), "keeper": ("#9467bd", "D"),
+                                               "persistent": ("#8c564b", "s")}
 STEP, RATE, SNAP_STEP = "#1f77b4", "#9e9e9e", "#17becf"
 
 
@@ -195,7 +196,7 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
         elif kind == "progress" and r.get("snapshot_step") is not None and r["snapshot_step"] != last_snapshot:
             last_snapshot = r["snapshot_step"]
             tier = r.get("snapshot_tier")
-            colour, marker = SNAPSHOT.get(str(tier), (REFUSED, "o"))
+            colour, marker = SNAPSHOT.get(tier, (REFUSED, "o"))
             point(x, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
             snap_xy.append((x, last_snapshot))
     for (marker, colour, ms), xy in points.items():
