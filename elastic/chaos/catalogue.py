@@ -77,6 +77,7 @@ class JobShape:
     snapshot_every: int
     survives_two: bool
     multi: bool = False  # multi-process mode: faults are carried out by the worker processes, at step starts
+    replaces: bool = False  # multi-process mode with Processes.replace_lost: a killed process gets a successor
 
     @classmethod
     def of(cls, config: ElasticConfig) -> JobShape:
@@ -84,6 +85,7 @@ class JobShape:
         multi = config.processes is not None
         return cls(num_slices=config.num_slices, min_slices=config.policy.min_slices, num_steps=config.num_steps,
                    snapshot_every=config.snapshot_every, multi=multi,
+                   replaces=multi and config.processes is not None and config.processes.replace_lost,
                    survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None
                    or (multi and tiers.keeper_every > 0))
 
@@ -173,8 +175,11 @@ def _two_at_once(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault],
 
 
 def _every_slice(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """Every slice dies: the job gives up within its bound; unless new processes replace the killed ones
+    (multi-process mode, ``replace_lost``): then it waits for them and finishes from the keepers."""
     step = _early(rng, shape)
-    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in range(shape.num_slices)], "give_up"
+    expect: Expect = "finish" if shape.replaces else "give_up"
+    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in range(shape.num_slices)], expect
 
 
 def _flapping(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
@@ -272,7 +277,8 @@ CATALOGUE: tuple[Scenario, ...] = (
              build=_kill_revive, multi=True),
     Scenario(name="two_at_once", summary="two slices die in the same step", phases=("step",), build=_two_at_once,
              applies=_two_down, multi=True),
-    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound",
+    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound (multi-process "
+             "mode with replace_lost: finish on the replacements, from the keepers)",
              phases=("step",), build=_every_slice, applies=lambda shape: True, multi=True),
     Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping, multi=True),
     Scenario(name="silence", summary="an agent stops heartbeating (hung host); the step waits until the supervisor "

@@ -29,6 +29,7 @@ from elastic.chaos.seams import Seams
 from elastic.control.cluster import cleanup, connect
 from elastic.config import ElasticConfig
 from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
+from snapshot.keeper import KeeperTier
 from elastic.api.job import ElasticJob
 from elastic.chaos.invariants import RunRecord, check
 from elastic.log import get_logger
@@ -97,10 +98,16 @@ def _host_leaves(state: Any) -> dict[str, np.ndarray]:
 
 
 def _snapshot_end(job: ElasticJob) -> dict[str, Any]:
-    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted (single-process mode:
-    each worker of a multi-process job holds its own)."""
-    if job.config.processes is not None:
-        return {"latest": None, "dropped": None}
+    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted (multi-process mode:
+    as the workers reported them at the end of their last pass)."""
+    if job.config.processes is not None:  # the group's newest snapshot: the oldest of its workers' newest
+        extra = job.report.extra
+        latest = extra.get("snapshot_latest_step")
+        if latest is None and job.config.tiers.keeper_every:  # the workers gone (a give-up): what the keepers hold
+            keepers = KeeperTier.attach(job.config.namespace, timeout_s=10.0)
+            whole = keepers.whole_steps(timeout=10.0) if keepers is not None else {}
+            latest = max(whole, default=None)
+        return {"latest": latest, "dropped": extra.get("snapshots_dropped")}
     snaps = snapshotter_of(job)
     try:
         latest = job.latest_snapshot().step if len(snaps) else None

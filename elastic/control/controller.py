@@ -191,8 +191,12 @@ class Controller:
         incarnations, suspect = self._placement.lost(action.dead)
         self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error",
                                                   self._group.token, incarnations, suspect)
-        view = self._watcher.wait_for(lambda v: v.epoch > action.after_epoch and not v.active & action.dead,
-                                      self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed")
+        def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
+            back = self._placement.replaced(action.dead & v.active, incarnations)
+            return v.epoch > action.after_epoch and not (v.active & action.dead) - back
+
+        view = self._watcher.wait_for(settled, self.config.recovery_timeout_s,
+                                      what=f"slices {sorted(action.dead)} removed or replaced")
         return ViewSeen(view)
 
     # -- what the placement calls (elastic.control.placement.PlacementHost) ----------------------

@@ -173,6 +173,13 @@ class SliceWorker:
         """Never returns; the caller's wait fails when this process dies."""
         threading.Event().wait()
 
+    def alive(self, slice_index: int | None = None) -> bool:
+        """Answer the supervisor's check of a silent slice: True at once while this worker works; not while it is
+        silenced (a hung host answers nothing)."""
+        while self._silent.is_set() and not self._stop_beats.is_set():
+            time.sleep(0.1)
+        return True
+
     def silence(self) -> None:
         """Stop heartbeating while the process lives on (as a hung agent would; the job's close silences it)."""
         self._silent.set()
@@ -481,7 +488,7 @@ class SliceWorker:
         out["commits"] = [(s, b, _numbers(m)) for s, b, m in commits]
         out["next_step"] = self._next_step
         out["compile_seconds"] = round(self._compile_s, 4)
-        out["snapshots"] = self._holdings.stats()
+        out["snapshots"] = self._holdings.stats(wait_s=30.0 if out.get("status") == "finished" else 0.0)
         return out
 
     def _pass(self, plan: GroupPlan, out: dict[str, Any], commits: list[Any], aborted: threading.Event) -> None:
