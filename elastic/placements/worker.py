@@ -264,6 +264,7 @@ class SliceWorker:
         index = plan.members.index(self.slice)
         out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch,
                                "node": ray.get_runtime_context().get_node_id()}
+        self._phase("forming", plan)
         try:
             out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
                                                        timeout_s=plan.rendezvous_timeout_s, phases=phases)
@@ -279,6 +280,7 @@ class SliceWorker:
             abstract = self._abstract
             shardings = state_shardings(abstract, self._spec.shardings_fn or replicate_all(abstract), mesh)
             phases["shardings"] = time.monotonic() - mark
+            self._phase("restore", plan)
             state, meta = self._restore(plan, abstract, shardings)
             state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
         except Exception as err:  # noqa: BLE001 - classified by the driver: a lost peer is recovered
@@ -296,6 +298,17 @@ class SliceWorker:
         out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
                    phases={k: round(v, 3) for k, v in phases.items()})
         return out
+
+    def _phase(self, name: str, plan: GroupPlan) -> None:
+        """A drill's faults placed in a re-formation (only for a process that has trained: ``_next_step`` > 0)."""
+        if self._next_step <= 0:
+            return
+        context = StepContext(step=self._next_step, slice=self.slice, floor=plan.fault_floor,
+                              supervisor=self._supervisor)
+        for hook in self._spec.step_hooks:
+            phase = getattr(hook, "phase", None)
+            if phase is not None:
+                phase(name, context)
 
     def _mesh(self, members: tuple[int, ...]) -> Any:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
