@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+
 import runtime
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
@@ -122,6 +124,7 @@ class Controller:
         if isinstance(action, Finish):
             report = self._acct.finish(machine.view)
             self._placement.fill(report)
+            self._heartbeat_figures(report)
             self._result = JobResult(state=self._placement.final_state(), value=self._value, report=report)
             return None
         if isinstance(action, GiveUp):
@@ -156,6 +159,16 @@ class Controller:
             self._log.info("restored", step=placed.step, tier=placed.tier, epoch=view.epoch,
                            slices=sorted(view.active))
         return Ready()
+
+    def _heartbeat_figures(self, report: Report) -> None:
+        """How often the supervisor saw an agent's beats late but the agent answering (kept), and how often it
+        dropped a slice for silence (no beat, no answer): the false-alarm guard's figures."""
+        try:
+            usage = ray.get(self._group.supervisor.usage.remote(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - a supervisor restarting: the figures are missing, not wrong
+            return
+        report.extra["heartbeats_late"] = usage.get("late_beats", 0)
+        report.extra["slices_dropped_silent"] = usage.get("silent_drops", 0)
 
     def _during_prepare(self, phase: str, step: int, view: View) -> None:
         """The fault-injection seam inside a move: the transfers are dispatched, not yet waited on."""

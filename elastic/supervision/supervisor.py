@@ -64,6 +64,7 @@ class Supervisor:
         self._agents: dict[int, Any] = {}  # slice -> the handle of its registered agent (to ask a silent one)
         self._asking: set[int] = set()  # silent slices whose agent is being asked whether it lives
         self.late_beats = 0  # silences past the timeout whose agent answered: slow, not dead (not dropped)
+        self.silent_drops = 0  # slices dropped for their silence (no beat, no answer)
         self._view_agents: dict[int, int] = {}  # the agent of each active slice when the view was published
         self._coming: dict[int, tuple[int, float]] = {}  # slice -> (incarnation, deadline) of a replacement started
         self._closed = False
@@ -314,11 +315,13 @@ class Supervisor:
         if answered:  # alive and working: its beats are late (a loaded machine), not missing
             self._beats[s] = time.monotonic()
             self.late_beats += 1
+            self._append({"kind": "late", "slice": s, "silent_s": round(silent, 2)})
             self._log.info("heartbeat_late", slice=s, silent_s=round(silent, 2), epoch=self._view.epoch)
             return
         if silent <= self._heartbeat_timeout_s:
             return  # it beat while we asked
         # Dropped, not refused: an agent that beats again re-registers and rejoins through decide.
+        self.silent_drops += 1
         del self._incarnations[s]
         self._observe(s, False, f"no heartbeat for {silent:.1f}s and no answer when asked", incarnation=incarnation)
         await self._evaluate()
@@ -445,4 +448,5 @@ class Supervisor:
         """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
         it watches (for benchmarks and status reports)."""
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
-                "slices": len(self._incarnations), "late_beats": self.late_beats}
+                "slices": len(self._incarnations), "late_beats": self.late_beats,
+                "silent_drops": self.silent_drops}
