@@ -46,7 +46,8 @@ class Faults:
         return self._add(Fault(kind="kill", slice=slice, at_step=at_step, during=during))
 
     def revive_slice(self, slice: int, *, at_step: int) -> Faults:
-        """A repaired slice ``slice`` comes back (new agent, working devices) at step ``at_step``."""
+        """A repaired slice ``slice`` comes back (new agent, working devices) as step ``at_step`` starts; the
+        job grows onto it at the next step boundary, so it computes from step ``at_step + 1`` on."""
         return self._add(Fault(kind="revive", slice=slice, at_step=at_step))
 
     def silence_agent(self, slice: int, *, at_step: int) -> Faults:
