@@ -17,11 +17,22 @@ from elastic.quiet import set_verbose
 __all__ = ["main"]
 
 
-def _force_cpu_devices(count: int) -> None:
-    """Give jax ``count`` CPU devices; must run before jax initialises its backends."""
+def _force_cpu_devices(count: int, *, what: str = "the job") -> None:
+    """Give jax ``count`` CPU devices. Once jax has started its backends (code that ran before touched jax)
+    the devices it has are the ones there are: enough is fine, too few is a ``ConfigError`` saying what to set."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(count, jax.config.values["jax_num_cpu_devices"] or 1))
+    from elastic.errors import ConfigError
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.values["jax_num_cpu_devices"] or 1))
+    except RuntimeError as err:
+        have = len(jax.devices("cpu"))
+        if have < count:
+            raise ConfigError(
+                f"{what} needs {count} CPU devices but jax started with {have} before they could be set (code run "
+                f"on import touched jax: {err}); set XLA_FLAGS=--xla_force_host_platform_device_count={count} in the "
+                "environment, or keep jax calls in the target's module inside functions") from err
 
 
 def _stdout_for_result() -> TextIO:
@@ -105,8 +116,9 @@ def _chaos(args: argparse.Namespace) -> int:
         set_verbose(True)
     scenarios = [s for s in args.scenarios.split(",") if s] if args.scenarios else None
     target = args.target or ("elastic.demos.chaos:process_target" if args.mode == "multi-process" else None)
+    _force_cpu_devices(8)  # before the target is imported (its module may touch jax); raised below if it needs more
     runner = ChaosRunner(target, seed=args.seed, steps=args.steps, timeout_s=args.timeout, scenarios=scenarios)
-    _force_cpu_devices(runner.config.num_slices * runner.config.devices_per_slice)
+    _force_cpu_devices(runner.config.num_slices * runner.config.devices_per_slice, what=f"the chaos target {target}")
 
     def progress(r: ScheduleResult) -> None:
         failed = ", ".join(p.promise for p in r.verdict.failed) or "every promise kept"

@@ -120,6 +120,12 @@ class ElasticConfig:
     step of each pass (a new mesh: program load, collective set-up) and the state's restore wait
     ``FIRST_STEP_FACTOR`` times as long. Set it to several times your slowest step; None turns it off.
 
+    ``steps_in_flight``: how many steps the loop may have dispatched and not yet confirmed when ``run.commit``
+    returns, plus one: with 2 (the default) a commit waits for the step before it, so the loop dispatches step
+    k+1 while step k computes, as a plain jitted loop does; 1: each commit waits for its own step. A commit
+    whose step ends on a snapshot boundary waits for its own step either way (the snapshot is of a computed
+    state), and a failure surfaces at the next commit or step boundary at the latest.
+
     ``processes``: run each slice as a worker process (:class:`Processes`); None (the default): one process
     drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices.
     """
@@ -142,12 +148,14 @@ class ElasticConfig:
     step_timeout_s: float | None = 300.0
     global_batch_size: int | None = None
     processes: Processes | None = None
+    steps_in_flight: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_name, str) or not self.job_name \
                 or not all(c.isalnum() or c in "-_" for c in self.job_name):
             raise ConfigError(f"job_name must be non-empty letters, digits, '-' or '_', got {self.job_name!r}")
-        for name in ("num_slices", "devices_per_slice", "num_steps", "snapshot_every", "keep_snapshots"):
+        for name in ("num_slices", "devices_per_slice", "num_steps", "snapshot_every", "keep_snapshots",
+                     "steps_in_flight"):
             _count(name, getattr(self, name))
         _instance("simulated", self.simulated, bool)
         _instance("policy", self.policy, Policy)

@@ -10,6 +10,8 @@ iterator: when the membership view has changed, ``run.steps`` ends the pass befo
 """
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -63,6 +65,27 @@ class RunHost(Protocol):
 
     def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh) -> None: ...
 
+    def must_confirm(self, step: int) -> bool:
+        """Whether ``step``'s commit waits for the step itself (a snapshot is due after it)."""
+        ...
+
+
+@dataclass
+class _Unconfirmed:
+    """A committed step whose result may still be computing."""
+
+    step: int
+    state: Any
+    metrics: dict[str, Any]
+    batch: int
+    extras: dict[str, Any]
+    first: bool
+
+
+def _live(tree: Any) -> Any:
+    """The arrays of ``tree`` still alive: a leaf donated to a later step is gone (that step's readiness covers it)."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if not (isinstance(x, jax.Array) and x.is_deleted())]
+
 
 class Run:
     """One pass of the user's loop over one membership view. Built by the controller."""
@@ -79,6 +102,8 @@ class Run:
         self._pending: int | None = None
         self._steps_started = False
         self._data: dict[str, DataIterator] = {}
+        self._window = max(1, host.config.steps_in_flight)
+        self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
 
     @property
     def epoch(self) -> int:
@@ -119,28 +144,48 @@ class Run:
             yield step
             if self._pending is not None:
                 raise ConfigError(f"step {step} ended without run.commit(state): commit once per step")
+        self.settle()  # the last steps: confirmed before the loop goes on past run.steps
 
     def commit(self, state: Any, *, batch: int | None = None, **metrics: Any) -> None:
         """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
 
-        Blocks until the step is computed; raises the slice-loss error if a slice was lost meanwhile, and
-        ``runtime.StepHungError`` if the step made no progress within its timeout (``step_timeout_s``).
-        Returns once the snapshot (when one is due) is requested: it is copied in the background.
+        Returns without waiting for this step while fewer than ``config.steps_in_flight`` steps are unconfirmed
+        (the loop dispatches the next step while this one computes); steps are confirmed in order, each once its
+        result is ready: recorded in the ledger and, when one is due, snapshotted (the commit of a step a
+        snapshot follows waits for it). Raises the slice-loss error if a slice was lost meanwhile, and
+        ``runtime.StepHungError`` if a step made no progress within its timeout (``step_timeout_s``).
         """
         step = self._pending
         if step is None:
             raise ConfigError("run.commit() must be called once per step, inside `for step in run.steps`")
         first = step == self.start_step  # the first step on this mesh gets FIRST_STEP_FACTOR x the time
-        timeout_s = self._host.config.step_wait_s(first=first)
-        if timeout_s is None and hangs.blocked():
+        if self._host.config.step_wait_s(first=first) is None and hangs.blocked():
             raise ConfigError(f"step {step} hangs (Faults.hang_step) with the step watchdog off: set "
                               "ElasticConfig.step_timeout_s to drill hangs")
-        wait_ready((state, metrics), self._devices, timeout_s=timeout_s,
-                   what=f"step {step}{' (the first of this pass)' if first else ''}", hint=self._hang_hint)
         self._pending = None
-        self.state = state
         record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
-        self._host.committed(self, step, state, step if batch is None else batch, metrics)
+        extras = self.extras if self._window == 1 else copy.deepcopy(self.extras)
+        self._unconfirmed.append(_Unconfirmed(step=step, state=state, metrics=metrics,
+                                              batch=step if batch is None else batch, extras=extras, first=first))
+        self._confirm(keep=0 if self._host.must_confirm(step) else self._window - 1)
+
+    def settle(self) -> None:
+        """Confirm every committed step (at a step boundary the pass may end at, and after the last step)."""
+        self._confirm(keep=0)
+
+    def _confirm(self, *, keep: int) -> None:
+        """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain."""
+        while len(self._unconfirmed) > keep:
+            u = self._unconfirmed[0]
+            wait_ready(_live((u.state, u.metrics)), self._devices, timeout_s=self._host.config.step_wait_s(first=u.first),
+                       what=f"step {u.step}{' (the first of this pass)' if u.first else ''}", hint=self._hang_hint)
+            self._unconfirmed.popleft()
+            self.state = u.state
+            live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
+            try:
+                self._host.committed(self, u.step, u.state, u.batch, u.metrics)
+            finally:
+                self.extras = live
 
     def data(self, source: Source, *, name: str = "data") -> DataIterator:
         """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function

@@ -40,12 +40,13 @@ from elastic.chaos.faults import Faults
 __all__ = ["CATALOGUE", "HANG_STEP_TIMEOUT_S", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
 
 Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow", "restore", "reshard",
-                "grow"]
+                "grow", "forming"]
 Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart",
                "supervisor_lost"]
 Expect = Literal["finish", "give_up", "supervisor_lost"]
 DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
 PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
+WORKER_PHASES = {"mid_step": "collective", "forming": "forming", "restore": "restore"}  # multi-process kills placed
 HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at most this (also when the target's is off)
 
 
@@ -77,6 +78,7 @@ class JobShape:
     snapshot_every: int
     survives_two: bool
     multi: bool = False  # multi-process mode: faults are carried out by the worker processes, at step starts
+    replaces: bool = False  # multi-process mode with Processes.replace_lost: a killed process gets a successor
 
     @classmethod
     def of(cls, config: ElasticConfig) -> JobShape:
@@ -84,6 +86,7 @@ class JobShape:
         multi = config.processes is not None
         return cls(num_slices=config.num_slices, min_slices=config.policy.min_slices, num_steps=config.num_steps,
                    snapshot_every=config.snapshot_every, multi=multi,
+                   replaces=multi and config.processes is not None and config.processes.replace_lost,
                    survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None
                    or (multi and tiers.keeper_every > 0))
 
@@ -114,12 +117,21 @@ class Schedule:
     scenario: str
     faults: tuple[ChaosFault, ...]
     expect: Expect
+    multi: bool = False  # a multi-process job's: its workers carry out kills placed in a step or a re-formation
+
+    def _planned(self, f: ChaosFault) -> bool:
+        return (f.phase == "step" and f.kind in PLAN_KINDS) or (self.multi and f.kind == "kill"
+                                                                 and f.phase in WORKER_PHASES)
 
     def plan(self) -> Faults:
-        """The faults ``elastic.Faults`` carries out itself (phase ``step``, its kinds)."""
+        """The faults ``elastic.Faults`` carries out itself (phase ``step``, its kinds; in multi-process mode also
+        the kills its workers place inside a step's collectives, a group's forming or its restore)."""
         faults = Faults()
         for f in self.faults:
-            if f.phase == "step" and f.kind in PLAN_KINDS:
+            if self.multi and f.kind == "kill" and f.phase in WORKER_PHASES:
+                assert f.slice is not None
+                faults.kill_slice(f.slice, at_step=f.at_step, during=WORKER_PHASES[f.phase])  # type: ignore[arg-type]
+            elif f.phase == "step" and f.kind in PLAN_KINDS:
                 if f.kind == "transient":
                     faults.transient_error(at_step=f.at_step)
                 elif f.kind == "hang":
@@ -136,7 +148,7 @@ class Schedule:
 
     def seams(self) -> tuple[ChaosFault, ...]:
         """The faults the chaos runner carries out (other phases and kinds)."""
-        return tuple(f for f in self.faults if not (f.phase == "step" and f.kind in PLAN_KINDS))
+        return tuple(f for f in self.faults if not self._planned(f))
 
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "index": self.index, "scenario": self.scenario, "expect": self.expect,
@@ -173,8 +185,11 @@ def _two_at_once(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault],
 
 
 def _every_slice(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """Every slice dies: the job gives up within its bound; unless new processes replace the killed ones
+    (multi-process mode, ``replace_lost``): then it waits for them and finishes from the keepers."""
     step = _early(rng, shape)
-    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in range(shape.num_slices)], "give_up"
+    expect: Expect = "finish" if shape.replaces else "give_up"
+    return [ChaosFault(kind="kill", slice=s, at_step=step) for s in range(shape.num_slices)], expect
 
 
 def _flapping(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
@@ -261,6 +276,37 @@ def _supervisor_lost(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFau
             ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step + 1)], "supervisor_lost"
 
 
+def _kill_in_collective(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """Multi-process: a worker SIGKILLed a moment into a step, its collectives in flight."""
+    return [ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_early(rng, shape),
+                       phase="mid_step")], "finish"
+
+
+def _kill_in_reformation(phase: Phase) -> Build:
+    """Multi-process: one worker dies, then a second while the group re-forms without it (``forming``: before the
+    rendezvous; ``restore``: the group formed, the state not yet placed)."""
+
+    def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+        first, second = rng.sample(range(shape.num_slices), 2)
+        step = _early(rng, shape)
+        return [ChaosFault(kind="kill", slice=first, at_step=step),
+                ChaosFault(kind="kill", slice=second, at_step=step, phase=phase)], "finish"
+
+    return build
+
+
+def _kill_with_buddy(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """Multi-process: a worker and the one holding its buddy copy (the next member) die in the same step, before
+    any re-formation: only the keepers hold the lost shards."""
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    return [ChaosFault(kind="kill", slice=s, at_step=step),
+            ChaosFault(kind="kill", slice=(s + 1) % shape.num_slices, at_step=step)], "finish"
+
+
+def _multi_two_down(shape: JobShape) -> bool:
+    return shape.multi and _two_down(shape)
+
+
 def _two_down(shape: JobShape) -> bool:
     return shape.spare >= 2 and shape.survives_two
 
@@ -272,7 +318,8 @@ CATALOGUE: tuple[Scenario, ...] = (
              build=_kill_revive, multi=True),
     Scenario(name="two_at_once", summary="two slices die in the same step", phases=("step",), build=_two_at_once,
              applies=_two_down, multi=True),
-    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound",
+    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound (multi-process "
+             "mode with replace_lost: finish on the replacements, from the keepers)",
              phases=("step",), build=_every_slice, applies=lambda shape: True, multi=True),
     Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping, multi=True),
     Scenario(name="silence", summary="an agent stops heartbeating (hung host); the step waits until the supervisor "
@@ -304,6 +351,19 @@ CATALOGUE: tuple[Scenario, ...] = (
              "SupervisorLostError within its bound", phases=("step",), build=_supervisor_lost,
              applies=lambda shape: True, since=3),
 )
+MULTI_ONLY: tuple[Scenario, ...] = (
+    Scenario(name="kill_in_collective", summary="a worker process is SIGKILLed inside a step, its collectives in "
+             "flight", phases=("mid_step",), build=_kill_in_collective, applies=lambda shape: shape.multi
+             and shape.spare >= 1, since=4, multi=True),
+    Scenario(name="kill_while_forming", summary="a worker dies, then a second while the group re-forms",
+             phases=("forming",), build=_kill_in_reformation("forming"), applies=_multi_two_down, since=4, multi=True),
+    Scenario(name="kill_while_restoring", summary="a worker dies, then a second while the re-formed group restores",
+             phases=("restore",), build=_kill_in_reformation("restore"), applies=_multi_two_down, since=4,
+             multi=True),
+    Scenario(name="kill_with_buddy", summary="a worker and the holder of its buddy copy die in the same step",
+             phases=("step",), build=_kill_with_buddy, applies=_multi_two_down, since=4, multi=True),
+)
+CATALOGUE = CATALOGUE + MULTI_ONLY
 BY_NAME = {s.name: s for s in CATALOGUE}
 
 
@@ -332,7 +392,7 @@ def schedule(seed: int, index: int, shape: JobShape, scenarios: Sequence[str] | 
         order += group
     scenario = order[index % len(order)]
     faults, expect = scenario.build(random.Random(f"elastic-chaos:{seed}:{index}"), shape)
-    return Schedule(seed=seed, index=index, scenario=scenario.name, expect=expect,
+    return Schedule(seed=seed, index=index, scenario=scenario.name, expect=expect, multi=shape.multi,
                     faults=tuple(sorted(faults, key=lambda f: f.at_step)))
 
 

@@ -17,11 +17,16 @@ __all__ = ["Fault", "Faults"]
 Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang"]
 
 
+During = Literal["step", "collective", "forming", "restore"]
+DURING: tuple[str, ...] = ("step", "collective", "forming", "restore")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Fault:
     kind: Kind
     at_step: int
     slice: int | None = None
+    during: During = "step"  # multi-process kills: as the step starts, inside its collectives, or in a re-formation
 
 
 class Faults:
@@ -30,12 +35,19 @@ class Faults:
     def __init__(self) -> None:
         self._faults: list[Fault] = []
 
-    def kill_slice(self, slice: int, *, at_step: int) -> Faults:
-        """Slice ``slice`` dies as step ``at_step`` runs: its agent is killed and its devices fail."""
-        return self._add(Fault(kind="kill", slice=slice, at_step=at_step))
+    def kill_slice(self, slice: int, *, at_step: int, during: During = "step") -> Faults:
+        """Slice ``slice`` dies as step ``at_step`` runs: its agent is killed and its devices fail.
+
+        Multi-process mode only, ``during`` places the worker's SIGKILL elsewhere: ``"collective"``, a moment
+        into the step (its computation and collectives in flight); ``"forming"`` / ``"restore"``, in the first
+        re-formation of the group once the job has reached ``at_step``, as the group forms or as it restores."""
+        if during not in DURING:
+            raise ConfigError(f"kill_slice during={during!r}: choose one of {', '.join(DURING)}")
+        return self._add(Fault(kind="kill", slice=slice, at_step=at_step, during=during))
 
     def revive_slice(self, slice: int, *, at_step: int) -> Faults:
-        """A repaired slice ``slice`` comes back (new agent, working devices) at step ``at_step``."""
+        """A repaired slice ``slice`` comes back (new agent, working devices) as step ``at_step`` starts; the
+        job grows onto it at the next step boundary, so it computes from step ``at_step + 1`` on."""
         return self._add(Fault(kind="revive", slice=slice, at_step=at_step))
 
     def silence_agent(self, slice: int, *, at_step: int) -> Faults:
@@ -96,6 +108,11 @@ class Faults:
         the driver's half of it (see :meth:`worker_hooks`)."""
         from elastic.chaos.injector import DriverFaults, FaultInjector
 
+        placed = [f for f in self.faults if f.during != "step"]
+        if placed and job.config.processes is None:
+            raise ConfigError(f"kill_slice(during={placed[0].during!r}) needs multi-process mode (worker processes); "
+                              "in single-process mode the chaos runner's phases place a kill inside a step or a "
+                              "restore")
         return (FaultInjector if job.config.processes is None else DriverFaults).for_job(self, job)
 
     def worker_hooks(self) -> list[Callable[[Any], None]]:

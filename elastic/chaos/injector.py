@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from elastic.api.job import ElasticJob
 
 __all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
+
+COLLECTIVE_DELAY_S = 0.02  # a kill "during the collective": this long into the step, its work in flight
 
 
 class FaultInjector:
@@ -111,11 +114,14 @@ class WorkerFaults:
                 self._fired.add(fault)
                 self._hold(context, fault)
                 continue
-            if fault.slice is not None and fault.slice != slice_index:
+            if (fault.slice is not None and fault.slice != slice_index) or fault.during in ("forming", "restore"):
                 continue
             self._fired.add(fault)
-            get_logger("elastic.faults").warning("fault_injected", kind=fault.kind, step=step, slice=slice_index)
-            if fault.kind == "kill":
+            get_logger("elastic.faults").warning("fault_injected", kind=fault.kind, step=step, slice=slice_index,
+                                                 during=fault.during)
+            if fault.kind == "kill" and fault.during == "collective":  # the step's work dispatched and running
+                threading.Timer(COLLECTIVE_DELAY_S, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            elif fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind in ("silence", "hang") and fault.slice is not None:
                 os.kill(os.getpid(), signal.SIGSTOP)  # a hung host: the whole process stops
@@ -123,6 +129,18 @@ class WorkerFaults:
                 runtime.hangs.arm(None)
             elif fault.kind == "transient":
                 raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {step}")
+
+    def phase(self, name: str, context: Any) -> None:
+        """A re-formation of the group reached ``name`` ("forming": before the rendezvous; "restore": the group
+        formed, the state not placed yet): kill this worker if a fault of its slice is due there. Only a process
+        that trained up to the fault's step itself fires it (a replacement process does not kill itself again)."""
+        for fault in self.faults:
+            if (fault.kind == "kill" and fault.during == name and fault.slice == context.slice
+                    and fault not in self._fired and context.step >= fault.at_step):
+                self._fired.add(fault)
+                get_logger("elastic.faults").warning("fault_injected", kind="kill", during=name, slice=context.slice,
+                                                     step=context.step)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _hold(self, context: Any, fault: Fault) -> None:
         import ray

@@ -42,6 +42,8 @@ class RunRecord:
     snapshots_dropped: int | None = None  # requested, neither taken, coalesced, failed nor abandoned
     seconds: float = 0.0
     bound_s: float = math.inf
+    replay_state: Mapping[str, np.ndarray] | None = None  # the run's own device schedule replayed (chaos.replay)
+    replay_note: str | None = None  # how the replay was made, or why there is none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +83,24 @@ def _result(promise: str, problems: list[str], ok_detail: str, evidence: dict[st
 
 
 def equivalence(run: RunRecord, reference: RunRecord | None, *, atol: float = ATOL) -> PromiseResult:
-    """Promise 1: the final state of a finished run equals the failure-free reference's, bit for bit when the
-    device count never changed, else within ``atol``."""
+    """Promise 1: the final state of a finished run equals, bit for bit, the replay of its own device schedule
+    (``run.replay_state``: the failure-free computation on the devices the run had); without a replay, the
+    failure-free reference's, bit for bit when the device count never changed, else within ``atol``."""
+    if run.outcome == "finished" and run.state is not None and run.replay_state is not None:
+        replayed = RunRecord(num_steps=run.num_steps, snapshot_every=run.snapshot_every, state=run.replay_state)
+        return _compare(run, replayed, exact=True, atol=atol,
+                        mode=f"bit for bit against a replay of the run's device schedule ({run.replay_note})")
     if run.outcome != "finished" or reference is None or run.state is None or reference.state is None:
         return PromiseResult(promise="equivalence", status="n/a", detail="no finished run and reference to compare")
     exact = run.min_slices_seen == run.slices_initial
+    mode = "bit for bit, the device count never changed" if exact else f"within {atol}, the device count changed"
+    if run.replay_note and not exact:
+        mode += f" (no replay: {run.replay_note})"
+    return _compare(run, reference, exact=exact, atol=atol, mode=mode)
+
+
+def _compare(run: RunRecord, reference: RunRecord, *, exact: bool, atol: float, mode: str) -> PromiseResult:
+    assert run.state is not None and reference.state is not None
     problems, worst, differing = [], 0.0, []
     if set(run.state) != set(reference.state):
         problems.append(f"state leaves differ: {sorted(set(run.state) ^ set(reference.state))[:5]}")
@@ -103,12 +118,12 @@ def equivalence(run: RunRecord, reference: RunRecord | None, *, atol: float = AT
         worst = max(worst, diff)
         if not same:
             differing.append(path)
-    mode = "bit for bit, the device count never changed" if exact else f"within {atol}, the device count changed"
     if differing:
         problems.append(f"final state differs from the reference at {differing[:5]}: max abs diff {worst:.3g} "
                         f"(wanted: {mode})")
     return _result("equivalence", problems, f"final state matches the reference {mode}",
-                   {"mode": "bitwise" if exact else "atol", "atol": None if exact else atol, "max_abs_diff": worst,
+                   {"mode": ("replay" if "replay of" in mode else "bitwise") if exact else "atol",
+                    "atol": None if exact else atol, "max_abs_diff": worst,
                     "leaves": len(run.state), "leaves_differing": differing[:10]})
 
 

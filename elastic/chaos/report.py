@@ -61,7 +61,9 @@ class ScheduleResult:
         return {**self.schedule.to_dict(), "outcome": r.outcome, "injected": self.injected, "seconds": r.seconds,
                 "recomputed": r.recomputed, "restores": [dict(x) for x in r.restores],
                 "min_slices_seen": r.min_slices_seen, "error": r.error,
-                "promises": {p.promise: p.status for p in self.verdict.promises}, "replay": self.replay}
+                "promises": {p.promise: p.status for p in self.verdict.promises}, "replay": self.replay,
+                "equivalence": {k: v for k, v in self.verdict["equivalence"].evidence.items()
+                                if k in ("mode", "atol", "max_abs_diff")}}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,8 @@ from elastic.chaos.seams import Seams
 from elastic.control.cluster import cleanup, connect
 from elastic.config import ElasticConfig
 from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
+from elastic.chaos.replay import replay, trail_schedule
+from snapshot.keeper import KeeperTier
 from elastic.api.job import ElasticJob
 from elastic.chaos.invariants import RunRecord, check
 from elastic.log import get_logger
@@ -97,16 +99,35 @@ def _host_leaves(state: Any) -> dict[str, np.ndarray]:
 
 
 def _snapshot_end(job: ElasticJob) -> dict[str, Any]:
-    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted (single-process mode:
-    each worker of a multi-process job holds its own)."""
-    if job.config.processes is not None:
-        return {"latest": None, "dropped": None}
+    """The newest snapshot's step at the end of a run, and the snapshots dropped uncounted (multi-process mode:
+    as the workers reported them at the end of their last pass)."""
+    if job.config.processes is not None:  # the group's newest snapshot: the oldest of its workers' newest
+        extra = job.report.extra
+        latest = extra.get("snapshot_latest_step")
+        if latest is None and job.config.tiers.keeper_every:  # the workers gone (a give-up): what the keepers hold
+            keepers = KeeperTier.attach(job.config.namespace, timeout_s=10.0)
+            whole = keepers.whole_steps(timeout=10.0) if keepers is not None else {}
+            latest = max(whole, default=None)
+        return {"latest": latest, "dropped": extra.get("snapshots_dropped")}
     snaps = snapshotter_of(job)
     try:
         latest = job.latest_snapshot().step if len(snaps) else None
     except NoSnapshotError:
         latest = None
     return {"latest": latest, "dropped": snaps.stats()["snapshots_dropped"]}
+
+
+def _describe(schedule: dict[int, tuple[int, ...]]) -> str:
+    """``steps 0-12 on slices 0,1,2,3; 13-39 on 0,2,3``."""
+    parts, start, last = [], None, None
+    for step in sorted(schedule):
+        if schedule[step] != last:
+            if last is not None:
+                parts.append(f"{start}-{step - 1} on slices {','.join(map(str, last))}")
+            start, last = step, schedule[step]
+    if last is not None:
+        parts.append(f"{start}-{max(schedule)} on slices {','.join(map(str, last))}")
+    return "; ".join(parts)
 
 
 class ChaosRunner:
@@ -171,6 +192,22 @@ class ChaosRunner:
         return result
 
     # -- one bounded run -------------------------------------------------------------------------------
+    def _replayed(self, job: ElasticJob, cfg: ElasticConfig, trail: list[tuple[int, tuple[int, ...]]]
+                ) -> tuple[dict[str, np.ndarray] | None, str]:
+        """The schedule's equivalence reference: the target's loop replayed over the run's own device schedule
+        (:mod:`elastic.chaos.replay`); None and why when it cannot be."""
+        schedule = trail_schedule(trail)
+        if not trail:
+            return None, "no commit recorded"
+        t = self._target
+        runtime.simulated.reset()  # the run's killed slices: the replay runs on their devices as the run did
+        try:
+            state = replay(config=cfg, topology=job.topology, schedule=schedule, loop=t.loop, init_fn=t.init_fn,
+                           shardings=job._shardings, mesh_fn=t.mesh_fn)  # noqa: SLF001 - the job's own rule
+            return _host_leaves(state), (f"replayed over the run's device schedule: {_describe(schedule)}")
+        except Exception as err:  # noqa: BLE001 - no replay: the tolerance against the reference applies
+            return None, f"the replay failed: {type(err).__name__}: {str(err)[:200]}"
+
     def _execute(self, job_name: str, plan: Schedule | None) -> tuple[RunRecord, int]:
         """Run the target as job ``job_name`` with ``plan``'s faults; its record and the faults injected."""
         cfg = replace(self.config, job_name=job_name)
@@ -182,10 +219,17 @@ class ChaosRunner:
                 self.overrides["step_timeout_s"] = cfg.step_timeout_s  # said once a hang schedule ran
         t = self._target
         executed: list[int] = []  # multi-process mode: every commit in order, as the driver accounts it
+        trail: list[tuple[int, tuple[int, ...]]] = []  # single-process mode: every commit and the slices it ran on
         multi = cfg.processes is not None
+
+        def on_step(step: int, metrics: Any, run: Any) -> None:
+            if multi:
+                executed.append(step)
+            else:
+                trail.append((step, run.slices))
+
         job = ElasticJob(cfg, init_fn=t.init_fn, shardings_fn=t.shardings_fn, mesh_fn=t.mesh_fn,
-                         faults=plan.plan() if plan is not None else None,
-                         on_step=(lambda step, metrics, run: executed.append(step)) if multi else None)
+                         faults=plan.plan() if plan is not None else None, on_step=on_step)
         seams = Seams(plan, job) if plan is not None and not multi else None  # multi: every fault is in the plan
         if seams is not None:
             job.during_prepare.append(seams.during)
@@ -224,6 +268,9 @@ class ChaosRunner:
                     else f"then, its actors killed: {box['outcome']} {box['error'] or ''}")
             box.update(outcome="hang", error=f"did not end within {self.timeout_s} s ({then.strip()})", state=None)
         ledger, report = job.ledger, job.report
+        replayed, replay_note = None, "multi-process mode: the workers' devices are not in this process"
+        if not multi and plan is not None and box["outcome"] == "finished":
+            replayed, replay_note = self._replayed(job, cfg, trail)
         record = RunRecord(
             num_steps=cfg.num_steps, snapshot_every=cfg.snapshot_every, keeper_every=cfg.tiers.keeper_every,
             persistent_every=cfg.tiers.persistent_every if cfg.tiers.persistent_dir else None,
@@ -233,6 +280,7 @@ class ChaosRunner:
             recomputed=ledger.recomputed,
             restores=tuple(report.restores), slices_initial=report.slices_initial,
             min_slices_seen=report.min_slices_seen, state=box.get("state"), latest_snapshot_step=box.get("latest"),
-            snapshots_dropped=box.get("dropped"), seconds=round(seconds, 3),
+            snapshots_dropped=box.get("dropped"), seconds=round(seconds, 3), replay_state=replayed,
+            replay_note=replay_note,
             bound_s=self.timeout_s)
         return record, sum(e["event"].startswith("inject_") for e in job.timeline.events)

@@ -265,6 +265,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (incarnation, agent.start.remote(),
                                      time.monotonic() + self._config.startup_timeout_s)
+        self._expect(index, incarnation)
         self._log.warning("agent_revived", slice=index, incarnation=incarnation)
         return True
 
@@ -284,8 +285,17 @@ class ActorGroup:
             self._starting[index] = (incarnation, agent.start.remote(),
                                      time.monotonic() + self._config.startup_timeout_s)
             self.respawns.append((index, incarnation))
+        self._expect(index, incarnation)
         self._log.warning("agent_replaced", slice=index, incarnation=incarnation, dead_incarnation=dead)
         return True
+
+    def _expect(self, index: int, incarnation: int) -> None:
+        """Tell the supervisor a new agent of slice ``index`` is starting (it does not give up for want of it
+        while that agent may still register); fire and forget."""
+        try:
+            self.supervisor.expect.remote(index, incarnation, self._config.startup_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a supervisor restarting: only the wait's length is at stake
+            self._log.warning("expect_failed", slice=index, error=repr(err))
 
     def respawn_now(self) -> None:
         """Start the replacements due now, without waiting for the respawner's next round (a loss was just seen)."""
@@ -334,6 +344,7 @@ class ActorGroup:
                 self._starting[index] = (new, agent.start.remote(),
                                          time.monotonic() + self._config.startup_timeout_s)
                 self.respawns.append((index, new))
+                self._expect(index, new)
                 self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
 
     def _settle_starts(self) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+
 import runtime
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
@@ -124,6 +126,7 @@ class Controller:
         if isinstance(action, Finish):
             report = self._acct.finish(machine.view)
             self._placement.fill(report)
+            self._heartbeat_figures(report)
             self._result = JobResult(state=self._placement.final_state(), value=self._value, report=report)
             return None
         if isinstance(action, GiveUp):
@@ -159,6 +162,16 @@ class Controller:
                            slices=sorted(view.active))
         return Ready()
 
+    def _heartbeat_figures(self, report: Report) -> None:
+        """How often the supervisor saw an agent's beats late but the agent answering (kept), and how often it
+        dropped a slice for silence (no beat, no answer): the false-alarm guard's figures."""
+        try:
+            usage = ray.get(self._group.supervisor.usage.remote(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - a supervisor restarting: the figures are missing, not wrong
+            return
+        report.extra["heartbeats_late"] = usage.get("late_beats", 0)
+        report.extra["slices_dropped_silent"] = usage.get("silent_drops", 0)
+
     def _during_prepare(self, phase: str, step: int, view: View) -> None:
         """The fault-injection seam inside a move: the transfers are dispatched, not yet waited on."""
         for hook in self._during:
@@ -193,8 +206,12 @@ class Controller:
         incarnations, suspect = self._placement.lost(action.dead)
         self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error",
                                                   self._group.token, incarnations, suspect)
-        view = self._watcher.wait_for(lambda v: v.epoch > action.after_epoch and not v.active & action.dead,
-                                      self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed")
+        def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
+            back = self._placement.replaced(action.dead & v.active, incarnations)
+            return v.epoch > action.after_epoch and not (v.active & action.dead) - back
+
+        view = self._watcher.wait_for(settled, self.config.recovery_timeout_s,
+                                      what=f"slices {sorted(action.dead)} removed or replaced")
         return ViewSeen(view)
 
     # -- what the placement calls (elastic.control.placement.PlacementHost) ----------------------

@@ -65,6 +65,10 @@ class PassHost:
     def before_step(self, step: int) -> None:
         self._before(step)
 
+    def must_confirm(self, step: int) -> bool:
+        """A snapshot is due after ``step``: its commit waits for it."""
+        return self._policy.due(step + 1) or self._soon
+
     def committed(self, run: Run, step: int, state: Any, batch: int, metrics: dict[str, Any]) -> None:
         self._on_commit(run, step, state, batch, metrics)
         if self._policy.due(step + 1) or self._soon:
@@ -76,6 +80,7 @@ class PassHost:
         view = self._changed(next_step)
         if view is None:
             return None
+        run.settle()  # the pass ends here: every committed step confirmed (a failure among them surfaces now)
         if view.gave_up is not None:
             return Regroup(view, None)
         if self.saved_for != next_step:  # committed() has not saved this boundary already

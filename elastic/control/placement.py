@@ -97,6 +97,10 @@ class Placement(Protocol):
         """For a report of ``slices`` as lost: the agent incarnation of each that was seen failing (None: the
         newest), and whether their hardware is suspect (no new agent is started for them by respawning)."""
 
+    def replaced(self, slices: frozenset[int], lost: dict[int, int] | None) -> frozenset[int]:
+        """Which of these lost slices already have a newer agent than the one ``lost`` named (a replacement
+        process): a view holding them is a view without the lost agent."""
+
     def final_state(self) -> Any:
         """The state after the last committed step."""
 

@@ -147,6 +147,19 @@ def make_reference_step() -> Any:
     return reference_step
 
 
+def chaos_target() -> dict[str, Any]:
+    """The tutorial's CNN (BatchNorm, Dropout, adamw) as a chaos target: ``elastic chaos --target
+    elastic.examples.flax_nnx:chaos_target``. Each schedule's equivalence reference replays the run's own device
+    schedule (a change of device count changes this model's floats; the replay shows nothing else did)."""
+    config = elastic.ElasticConfig(job_name="flax-nnx-chaos", num_slices=4, devices_per_slice=2, num_steps=30,
+                                   snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
+                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=3.0),
+                                   tiers=elastic.Tiers(keeper_every=1, keepers=1))
+    adapter = make_adapter()
+    return {"config": config, "init_fn": adapter.init_fn, "shardings_fn": adapter.shardings_fn,
+            "loop": make_loop(adapter)}
+
+
 def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False,
                 mode: str = "single-process") -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary. ``mode``:

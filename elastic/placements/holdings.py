@@ -159,7 +159,14 @@ class Holdings:
                 self._own[image.step] = image
             _trim(self._own, self.keep)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """The snapshot counters, bytes held, and ``latest_step`` (this worker's newest complete generation);
+        ``wait_s``: wait that long at most for the snapshot in flight first (the run's final one)."""
+        if self._snap is not None and wait_s > 0:
+            try:
+                self._snap.wait(wait_s)
+            except Exception:  # noqa: BLE001 - a failed or unfinished save: the complete generations still count
+                pass
         s = dict(self._stats)
         if self._snap is not None:
             live = self._snap.stats()
@@ -170,6 +177,7 @@ class Holdings:
             s["held_bytes"] = sum(i.nbytes for i in own.values()) + sum(
                 i.nbytes for g in self._buddies.values() for i in g.values())
         s["state_bytes"] = max((i.nbytes for i in own.values()), default=0)
+        s["latest_step"] = max(own, default=None)
         return s
 
     # -- buddy copies --------------------------------------------------------------------------------------------

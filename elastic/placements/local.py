@@ -141,6 +141,9 @@ class LocalPlacement:
     def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
         return None, True  # a slice that failed in this process: its hardware is suspect
 
+    def replaced(self, slices: frozenset[int], lost: dict[int, int] | None) -> frozenset[int]:
+        return frozenset()  # a suspect slice comes back only by a revive, after the view dropped it
+
     def final_state(self) -> Any:
         return self._state
 

@@ -409,6 +409,9 @@ class ProcessPlacement:
         refs = {}
         dead = set()
         for s in slices:
+            if s in self._incarnations and group.incarnation(s) != self._incarnations[s]:
+                dead.add(s)  # the group's worker died and a replacement was started: not the same process
+                continue
             try:
                 refs[s] = group.agent(s).ping.remote()
             except KeyError:
@@ -424,6 +427,11 @@ class ProcessPlacement:
         """The incarnations of the group's workers that were seen failing; a worker that does not answer lost its
         process, not (necessarily) its hardware: a new one may be started for its slice."""
         return {s: self._incarnations[s] for s in slices if s in self._incarnations}, False
+
+    def replaced(self, slices: frozenset[int], lost: dict[int, int] | None) -> frozenset[int]:
+        """Which of these lost slices already have a newer worker than the one lost (``lost``: as ``lost`` said)."""
+        group = self._group()
+        return frozenset(s for s in slices if lost and s in lost and (group.incarnation(s) or -1) > lost[s])
 
     def final_state(self) -> Any:
         """The final state as host arrays, assembled from every worker's own regions (typed keys wrapped back).
@@ -459,6 +467,10 @@ class ProcessPlacement:
                                                       for s in self._snapshots.values()), default=0.0), 4)
         report.snapshot_held_bytes = sum(s.get("held_bytes", 0) for s in self._snapshots.values())
         report.snapshot_copies = min(2, len(self._members)) if report.snapshot_held_bytes else 0
+        ends = [self._snapshots.get(s, {}) for s in self._members]
+        latest = [e.get("latest_step") for e in ends]
+        self.figures["snapshot_latest_step"] = None if not latest or None in latest else min(latest)
+        self.figures["snapshots_dropped"] = max((e.get("snapshots_dropped", 0) for e in ends), default=0)
         keepers = self._keepers()
         if keepers is not None:
             k = keepers.stats()

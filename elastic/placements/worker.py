@@ -173,6 +173,13 @@ class SliceWorker:
         """Never returns; the caller's wait fails when this process dies."""
         threading.Event().wait()
 
+    def alive(self, slice_index: int | None = None) -> bool:
+        """Answer the supervisor's check of a silent slice: True at once while this worker works; not while it is
+        silenced (a hung host answers nothing)."""
+        while self._silent.is_set() and not self._stop_beats.is_set():
+            time.sleep(0.1)
+        return True
+
     def silence(self) -> None:
         """Stop heartbeating while the process lives on (as a hung agent would; the job's close silences it)."""
         self._silent.set()
@@ -257,6 +264,7 @@ class SliceWorker:
         index = plan.members.index(self.slice)
         out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch,
                                "node": ray.get_runtime_context().get_node_id()}
+        self._phase("forming", plan)
         try:
             out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
                                                        timeout_s=plan.rendezvous_timeout_s, phases=phases)
@@ -272,6 +280,7 @@ class SliceWorker:
             abstract = self._abstract
             shardings = state_shardings(abstract, self._spec.shardings_fn or replicate_all(abstract), mesh)
             phases["shardings"] = time.monotonic() - mark
+            self._phase("restore", plan)
             state, meta = self._restore(plan, abstract, shardings)
             state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
         except Exception as err:  # noqa: BLE001 - classified by the driver: a lost peer is recovered
@@ -289,6 +298,17 @@ class SliceWorker:
         out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
                    phases={k: round(v, 3) for k, v in phases.items()})
         return out
+
+    def _phase(self, name: str, plan: GroupPlan) -> None:
+        """A drill's faults placed in a re-formation (only for a process that has trained: ``_next_step`` > 0)."""
+        if self._next_step <= 0:
+            return
+        context = StepContext(step=self._next_step, slice=self.slice, floor=plan.fault_floor,
+                              supervisor=self._supervisor)
+        for hook in self._spec.step_hooks:
+            phase = getattr(hook, "phase", None)
+            if phase is not None:
+                phase(name, context)
 
     def _mesh(self, members: tuple[int, ...]) -> Any:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -481,7 +501,7 @@ class SliceWorker:
         out["commits"] = [(s, b, _numbers(m)) for s, b, m in commits]
         out["next_step"] = self._next_step
         out["compile_seconds"] = round(self._compile_s, 4)
-        out["snapshots"] = self._holdings.stats()
+        out["snapshots"] = self._holdings.stats(wait_s=30.0 if out.get("status") == "finished" else 0.0)
         return out
 
     def _pass(self, plan: GroupPlan, out: dict[str, Any], commits: list[Any], aborted: threading.Event) -> None:

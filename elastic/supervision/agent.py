@@ -52,6 +52,13 @@ class SliceAgent:
         """Never returns; the caller's await fails when this actor dies."""
         await asyncio.Event().wait()
 
+    async def alive(self, slice_index: int | None = None) -> bool:
+        """Answer the supervisor's check of a silent slice: True at once while this agent works, never while it
+        is silenced (a hung host answers nothing)."""
+        if self._silent:
+            await asyncio.Event().wait()
+        return True
+
     async def silence(self) -> None:
         """Stop heartbeating while staying alive (a hung host, for fault injection)."""
         self._silent = True
@@ -105,6 +112,13 @@ class SliceGroupAgent:
     async def lifeline(self) -> None:
         """Never returns; the caller's await fails when this actor dies."""
         await asyncio.Event().wait()
+
+    async def alive(self, slice_index: int | None = None) -> bool:
+        """Answer the supervisor's check of a silent slice: True at once while this agent works, never for a
+        silenced slice (a hung host answers nothing)."""
+        if slice_index in self._silent or (slice_index is None and self._silent):
+            await asyncio.Event().wait()
+        return True
 
     async def silence(self, slices: list[int] | None = None) -> float:
         """Stop heartbeating for ``slices`` (all by default) while staying alive, as hung hosts would

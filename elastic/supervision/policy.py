@@ -165,11 +165,16 @@ def _names(slices: AbstractSet[int]) -> str:
     return ", ".join(str(s) for s in sorted(slices)) or "none"
 
 
-def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float, policy: Policy) -> Decision:
+def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float, policy: Policy,
+           coming: AbstractSet[int] = frozenset()) -> Decision:
     """What the supervisor should do now.
 
     ``history`` is the health events so far, oldest first, or a :class:`HealthTally` of them built for
     ``policy`` (the same answer, in O(slices) rather than O(history x slices)). A tally is only read.
+    ``coming``: slices whose replacement agent has been started and is expected to register in time (the
+    caller drops an expectation once it is late). Below ``min_slices`` the job waits, past
+    ``repair_timeout_s`` too, while the slices coming would bring it back to ``min_slices``: it gives up only
+    when nothing that could arrive in time would be enough.
     """
     if view.gave_up is not None:
         return Stay(reason=f"already gave up: {view.gave_up}")
@@ -182,6 +187,11 @@ def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float,
         if since is None:  # the job never had enough slices yet: still starting up
             return Stay(reason=f"waiting for slices to register: {len(usable)} of {policy.min_slices} needed")
         deadline = since + policy.repair_timeout_s
+        arriving = frozenset(coming) - usable - quarantined
+        if arriving and len(usable | arriving) >= policy.min_slices:
+            return Wait(until=max(deadline, now),
+                        reason=f"{len(usable)} usable slice(s) ({_names(usable)}) < min_slices={policy.min_slices}; "
+                        f"replacement(s) for slice(s) {_names(arriving)} starting")
         if now >= deadline:
             return GiveUp(
                 reason=f"only {len(usable)} usable slice(s) ({_names(usable)}) for {now - since:.1f}s, "

@@ -61,6 +61,12 @@ class Supervisor:
         self._watched: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent's lifeline is watched
         self._died: set[tuple[int, int]] = set()  # (slice, incarnation) whose agent died (its lifeline failed)
         self._client_lost: set[tuple[int, int]] = set()  # (slice, incarnation) whose slice the client saw fail
+        self._agents: dict[int, Any] = {}  # slice -> the handle of its registered agent (to ask a silent one)
+        self._asking: set[int] = set()  # silent slices whose agent is being asked whether it lives
+        self.late_beats = 0  # silences past the timeout whose agent answered: slow, not dead (not dropped)
+        self.silent_drops = 0  # slices dropped for their silence (no beat, no answer)
+        self._view_agents: dict[int, int] = {}  # the agent of each active slice when the view was published
+        self._coming: dict[int, tuple[int, float]] = {}  # slice -> (incarnation, deadline) of a replacement started
         self._closed = False
         self._events: list[dict[str, Any]] = []
         self._cond: asyncio.Condition | None = None
@@ -141,8 +147,11 @@ class Supervisor:
         now = time.monotonic()
         fresh = [(s, incarnation) for s, incarnation in slices if self._admits(s, incarnation)]
         for s, incarnation in fresh:
+            if self._coming.get(s, (incarnation + 1,))[0] <= incarnation:
+                del self._coming[s]  # the replacement (or a newer agent) is here
             self._newest[s] = incarnation
             self._incarnations[s] = incarnation
+            self._agents[s] = agent
             self._beats[s] = now
             self._observe(s, True, f"agent registered (incarnation {incarnation})", incarnation=incarnation)
         unwatched = [pair for pair in fresh if pair not in self._watched]
@@ -220,6 +229,21 @@ class Supervisor:
         await self._evaluate()
         return self._view
 
+    async def expect(self, slice_index: int, incarnation: int, within_s: float) -> None:
+        """The client started agent ``incarnation`` for ``slice_index`` (a replacement for a lost one, or a
+        revive): while it may still register (``within_s``), :func:`decide` counts the slice as coming and does
+        not give up for want of it. Cleared when it registers, dies, or is late."""
+        if not self._closed and incarnation >= self._newest.get(slice_index, incarnation):
+            self._coming[slice_index] = (incarnation, time.monotonic() + within_s)
+
+    def _arriving(self) -> frozenset[int]:
+        """Slices whose started replacement may still register in time (late or dead ones are forgotten)."""
+        now = time.monotonic()
+        for s, (incarnation, until) in list(self._coming.items()):
+            if until <= now or (s, incarnation) in self._revoked:
+                del self._coming[s]
+        return frozenset(self._coming)
+
     async def _watch(self, slices: list[tuple[int, int]], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
         try:
@@ -250,20 +274,66 @@ class Supervisor:
             self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
 
     async def _run_monitor(self) -> None:
+        """Judge heartbeats every ``tick_s``. Two guards against false alarms on a busy machine: time this
+        supervisor itself did not run (its loop starved or paused) is not counted as any agent's silence; and a
+        slice silent past the timeout is dropped only if its agent does not answer a direct question within
+        ``min(1 s, timeout / 2)`` either (a hung or stopped host answers nothing; a slow one does, and counts as
+        a late beat)."""
+        last = time.monotonic()
         while True:
             now = time.monotonic()
+            stalled = now - last - self._tick_s
+            if stalled > max(self._tick_s, 0.1):  # this loop did not run: nobody's silence grew meanwhile
+                for s in self._beats:
+                    self._beats[s] += stalled
+                self._log.info("supervisor_stalled", seconds=round(stalled, 2), epoch=self._view.epoch)
+            last = now
             for s, seen in list(self._beats.items()):
-                if s in self._incarnations and now - seen > self._heartbeat_timeout_s:
-                    # Dropped, not refused: an agent that beats again re-registers and rejoins through decide.
-                    incarnation = self._incarnations.pop(s)
-                    self._observe(s, False, f"no heartbeat for {now - seen:.1f}s", incarnation=incarnation)
+                if s in self._incarnations and now - seen > self._heartbeat_timeout_s and s not in self._asking:
+                    self._asking.add(s)
+                    task = asyncio.get_running_loop().create_task(self._confirm_silent(s, self._incarnations[s]))
+                    self._watches.add(task)
+                    task.add_done_callback(self._watches.discard)
             await self._evaluate()
             await asyncio.sleep(self._tick_s)
+
+    async def _confirm_silent(self, s: int, incarnation: int) -> None:
+        """Ask slice ``s``'s agent whether it lives before dropping it for its silence."""
+        agent, bound = self._agents.get(s), min(1.0, self._heartbeat_timeout_s / 2)
+        started = time.monotonic()
+        answered = False
+        try:
+            if agent is not None:
+                answered = bool(await asyncio.wait_for(agent.alive.remote(s), bound))
+        except Exception:  # noqa: BLE001 - no answer in time, or the agent is gone: it is silent for real
+            answered = False
+        finally:
+            self._asking.discard(s)
+        if self._incarnations.get(s) != incarnation:
+            return  # dropped or replaced meanwhile
+        silent = time.monotonic() - self._beats.get(s, started)
+        if answered:  # alive and working: its beats are late (a loaded machine), not missing
+            self._beats[s] = time.monotonic()
+            self.late_beats += 1
+            self._append({"kind": "late", "slice": s, "silent_s": round(silent, 2)})
+            self._log.info("heartbeat_late", slice=s, silent_s=round(silent, 2), epoch=self._view.epoch)
+            return
+        if silent <= self._heartbeat_timeout_s:
+            return  # it beat while we asked
+        # Dropped, not refused: an agent that beats again re-registers and rejoins through decide.
+        self.silent_drops += 1
+        del self._incarnations[s]
+        self._observe(s, False, f"no heartbeat for {silent:.1f}s and no answer when asked", incarnation=incarnation)
+        await self._evaluate()
 
     async def _evaluate(self) -> None:
         if self._monitor is None or self._closed:
             return
-        decision = decide(self._view, self._tally, time.monotonic(), self._policy)
+        decision = decide(self._view, self._tally, time.monotonic(), self._policy, self._arriving())
+        renewed = self._renewed()
+        if isinstance(decision, Stay) and renewed:  # same slices, but a lost member's agent was replaced
+            decision = Grow(to=self._view.active, reason=f"slice(s) {', '.join(map(str, sorted(renewed)))}: a new "
+                            "agent replaces the lost one")
         if isinstance(decision, (Stay, Wait)):
             if isinstance(decision, Wait) and (not self._events or self._events[-1].get("reason") != decision.reason):
                 self._append({"kind": "wait", "reason": decision.reason})
@@ -275,11 +345,26 @@ class Supervisor:
             view = View(epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason,
                         reason=decision.reason)
         self._view = view
+        self._view_agents = {s: self._incarnations[s] for s in view.active if self._incarnations.get(s) is not None}
         self._append({"kind": "view", "decision": type(decision).__name__, **asdict(view),
                       "active": sorted(view.active)})
         self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)
         async with self._condition():
             self._condition().notify_all()
+
+    def _renewed(self) -> frozenset[int]:
+        """Active slices whose registered agent is not the one they had when the view was published (a lost
+        member replaced before the view could drop it: below ``min_slices``, or faster than a judgement). A slice
+        whose agent was unknown then (after a restart) is adopted silently."""
+        renewed = set()
+        for s in self._view.active:
+            now = self._incarnations.get(s)
+            if now is None:
+                continue
+            was = self._view_agents.setdefault(s, now)
+            if was != now:
+                renewed.add(s)
+        return frozenset(renewed)
 
     async def close(self, token: str | None = None) -> None:
         """End supervision for good (the job is closing): stop judging and writing events, so that agents
@@ -363,4 +448,5 @@ class Supervisor:
         """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
         it watches (for benchmarks and status reports)."""
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
-                "slices": len(self._incarnations)}
+                "slices": len(self._incarnations), "late_beats": self.late_beats,
+                "silent_drops": self.silent_drops}

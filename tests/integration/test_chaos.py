@@ -149,3 +149,15 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
     assert lost.record.outcome == "supervisor_lost" and lost.gave_up_as_expected
     assert "supervisor" in (lost.record.error or "").lower()
     assert lost.record.seconds < 60  # max(5 x heartbeat_timeout_s, 10 s) after the kill, not recovery_timeout_s
+
+
+@pytest.mark.timeout(400)
+def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(elastic_chaos, ray_local):
+    """The pytest plugin on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
+    the group re-forms without the first (a survivor lost during the re-formation is one more loss)."""
+    result = elastic_chaos(target="elastic.demos.chaos:process_target", seed=7, schedules=1, steps=20,
+                           scenarios=["kill_while_forming"])
+    assert result.ok, result.violations
+    (run,) = result.results
+    assert [f.phase for f in run.schedule.faults] == ["step", "forming"] and run.injected == 2, run.schedule
+    assert run.record.outcome == "finished" and run.record.restores, run.record

@@ -32,7 +32,7 @@ def test_nnx_rng_stream_and_batch_stats_survive_a_shrink(ray_local):
     with job:
         result = job.run(example.make_loop(adapter))
     report = result.report
-    assert report.recoveries == 1 and report.slices_final == 3 and report.steps_recomputed == 2  # 5..6 again
+    assert report.recoveries == 1 and report.slices_final == 3 and report.steps_recomputed == 1  # 5 again (6 was in flight)
     reference = run_reference(job, placements, example.make_reference_step())  # plain NNX, same devices and steps
     assert example.max_abs_state_diff(result.state, reference) == 0.0
     got, ref_model = adapter.module(result.state), adapter.module(reference)

@@ -45,6 +45,20 @@ def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) 
     assert any(e["event"] == "worker_stuck_killed" for e in stopped), stopped
 
 
+@pytest.mark.timeout(180)
+def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_of_giving_up(ray_local) -> None:  # noqa: ANN001
+    """Every slice is needed (min_slices = num_slices) and the repair timeout is shorter than a process start: a
+    killed worker leaves the job below its floor, but a replacement is on its way, so the supervisor waits for it
+    (the view never drops the slice; its new agent gets a new view) and the job finishes exact."""
+    spec = ProcessDemoSpec(steps=16, num_slices=3, kill_slice=1, kill_at=5, revive_at=None, snapshot_every=5,
+                           job_name="processes-below-min")
+    config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=0.5))
+    report = run_process_demo(spec, verify=True, config=config, faults=Faults().kill_slice(1, at_step=5))
+    _assert_exact(report, spec)
+    assert report["min_slices_seen"] == 3 and report["slices_final"] == 3, report
+    assert report["recoveries"] == 1 and report["failures_injected"] == 1, report
+
+
 @pytest.mark.timeout(300)
 def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one() -> None:
     from ray.cluster_utils import Cluster

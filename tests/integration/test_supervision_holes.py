@@ -269,3 +269,70 @@ def test_closing_a_job_leaves_no_file_and_no_actor(ray_local):
     assert not temp_files(name), temp_files(name)
     assert closed_last(name, run)
     events.delete(name)
+
+
+
+def test_a_stopped_agent_is_dropped_within_twice_the_heartbeat_timeout(supervised):
+    """A hung host for real (the agent's process SIGSTOPped): the supervisor's check gets no answer either, and the
+    slice is dropped within 2x heartbeat_timeout_s of the stop (the stopped process is killed at the end)."""
+    sup, agents, _ = supervised(Policy(min_slices=1))
+    stopped = time.monotonic()
+    ray.get(agents[2].stop_process.remote(), timeout=30)
+    view = next_view(sup, 1, 4 * TIMEOUT_S)
+    took = time.monotonic() - stopped
+    assert view.active == ALL4 - {2}, view
+    assert took < 2 * TIMEOUT_S, f"a stopped agent was dropped after {took:.2f}s (heartbeat timeout {TIMEOUT_S}s)"
+    causes = [e["cause"] for e in ray.get(sup.events.remote(), timeout=30) if e["kind"] == "health" and e["slice"] == 2]
+    assert "no answer when asked" in causes[-1], causes
+
+
+@ray.remote(num_cpus=0)
+class LateAgent:
+    """An agent whose beats come late (every ``late_s``, past the heartbeat timeout) while it keeps working: a
+    slow host on a busy machine, not a dead one."""
+
+    def __init__(self, slice_index: int, supervisor: Any, late_s: float) -> None:
+        self.slice, self.supervisor, self.late_s = slice_index, supervisor, late_s
+        self._task: Any = None
+
+    async def start(self) -> None:
+        import asyncio
+
+        await self.supervisor.register.remote(self.slice, 0, ray.get_runtime_context().current_actor)
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(self.late_s)
+            await self.supervisor.heartbeat.remote(self.slice, 0)
+
+    async def lifeline(self) -> None:
+        import asyncio
+
+        await asyncio.Event().wait()
+
+    async def alive(self, slice_index: int | None = None) -> bool:
+        return True
+
+
+def test_an_agent_whose_beats_come_late_but_answers_is_not_dropped(ray_local):
+    """No false alarm: slice 1's beats come 1.6x the heartbeat timeout apart, but its agent answers when asked, so
+    the supervisor counts late beats and keeps the slice (before: dropped and grown back at every lapse)."""
+    job = f"late-{uuid.uuid4().hex[:8]}"
+    namespace, run = f"elastic-{job}", events.new_run(job)
+    sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
+        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, run)
+    agents = [SliceAgent.options(namespace=namespace).remote(0, 0, sup, INTERVAL_S, job),
+              LateAgent.options(namespace=namespace).remote(1, sup, 1.6 * TIMEOUT_S)]
+    try:
+        ray.get([a.start.remote() for a in agents], timeout=60)
+        first = ray.get(sup.start.remote(), timeout=30)
+        assert first.active == frozenset({0, 1}), first
+        later = next_view(sup, first.epoch, 5 * TIMEOUT_S)  # three late beats' worth
+        assert later == first, later
+        assert ray.get(sup.usage.remote(), timeout=30)["late_beats"] >= 2
+    finally:
+        close_then_kill([sup], agents)
+        events.delete(job)

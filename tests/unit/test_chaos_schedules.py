@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.chaos.catalogue import CATALOGUE, JobShape, schedule, schedules
+from elastic.chaos.catalogue import CATALOGUE, JobShape, applicable, schedule, schedules
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.config import ElasticConfig, Policy, Tiers
 from elastic.errors import ConfigError
 from elastic.chaos.invariants import RunRecord, check
 
 DEMO = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True)
+MULTI = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True, multi=True,
+                 replaces=True)
+SP = len(applicable(DEMO))
 
 
 def test_a_schedule_replays_from_seed_and_index():
@@ -20,13 +23,16 @@ def test_a_schedule_replays_from_seed_and_index():
 
 
 def test_consecutive_schedules_cover_the_catalogue():
-    names = {s.scenario for s in schedules(3, len(CATALOGUE), DEMO)}
-    assert names == {s.name for s in CATALOGUE}
+    names = {s.scenario for s in schedules(3, SP, DEMO)}
+    assert names == {s.name for s in CATALOGUE if not s.name.startswith(("kill_in_", "kill_while_", "kill_with_"))}
+    multi = {s.scenario for s in schedules(3, len(applicable(MULTI)), MULTI)}
+    assert {"kill_in_collective", "kill_while_forming", "kill_while_restoring", "kill_with_buddy", "silence",
+            "kill", "two_at_once"} <= multi
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_schedules_are_valid_faults_and_expect_a_give_up_only_below_min_slices(seed):
-    for s in schedules(seed, 2 * len(CATALOGUE), DEMO):
+    for s in schedules(seed, 2 * SP, DEMO):
         s.plan().validate(num_slices=DEMO.num_slices, num_steps=DEMO.num_steps)  # raises ConfigError if not
         assert all(0 <= f.at_step < DEMO.num_steps for f in s.faults)
         down, worst = set(), 0
@@ -75,7 +81,7 @@ def test_a_violation_names_its_schedule_and_how_to_replay_it():
 
 
 def test_hang_schedules_go_through_faults_and_wedge_a_slice_only_where_one_can_be_spared():
-    hangs = [s for s in schedules(4, 8 * len(CATALOGUE), DEMO) if s.scenario == "hang"]
+    hangs = [s for s in schedules(4, 8 * SP, DEMO) if s.scenario == "hang"]
     assert len(hangs) == 8 and all(s.hangs and s.expect == "finish" for s in hangs)
     assert {f.slice is None for s in hangs for f in s.faults if f.kind == "hang"} == {True, False}  # both kinds
     for s in hangs:
@@ -120,3 +126,18 @@ def test_faults_inside_a_move_and_on_the_supervisor_are_drawn_as_built():
         else:
             assert not {"restore", "reshard", "grow"} & set(phases), s
             assert not any(f.kind.startswith("supervisor") for f in s.faults), s
+
+
+def test_multi_process_schedules_place_real_process_kills_in_steps_and_re_formations():
+    drawn = schedules(7, 3 * len(applicable(MULTI)), MULTI)
+    for s in drawn:
+        plan = s.plan()
+        plan.validate(num_slices=MULTI.num_slices, num_steps=MULTI.num_steps)
+        assert s.seams() == (), s  # every fault of a multi-process schedule is carried out by the workers or driver
+        if s.scenario == "every_slice":
+            assert s.expect == "finish", s  # replacements arrive: the job waits for them
+    placed = {f.during for s in drawn for f in s.plan().faults if f.kind == "kill"}
+    assert placed == {"step", "collective", "forming", "restore"}
+    buddy = [s for s in drawn if s.scenario == "kill_with_buddy"][0]
+    a, b = sorted(f.slice for f in buddy.faults)
+    assert (b - a) % MULTI.num_slices in (1, MULTI.num_slices - 1)

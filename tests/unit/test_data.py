@@ -135,6 +135,9 @@ class _Host:
     def boundary(self, run: Run, next_step: int) -> None:
         return None
 
+    def must_confirm(self, step: int) -> bool:
+        return False  # steps run ahead: each commit's positions must still reach its own confirmation
+
     def record_call(self, *args: Any) -> None:
         pass
 

@@ -237,3 +237,18 @@ def test_healthy_slices(history, expected):
     got = healthy_slices(history)
     assert isinstance(got, frozenset)
     assert got == expected
+
+
+def test_a_job_below_min_slices_waits_past_the_repair_timeout_while_replacements_that_would_suffice_start():
+    policy = Policy(min_slices=2, repair_timeout_s=1.0)
+    view = View(epoch=3, active=frozenset({0, 1, 2}))
+    decision = decide(view, TWO_OF_THREE_LOST, 1000.0, policy, coming=frozenset({2}))
+    assert isinstance(decision, Wait), decision
+    check_reason(decision, (0, 2), ("starting",))
+    # nothing coming, or not enough of it (a quarantined slice never counts): the bound holds as before
+    assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, policy), GiveUp)
+    three = Policy(min_slices=3, repair_timeout_s=1.0)
+    assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, three, coming=frozenset({2})), GiveUp)
+    assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, three, coming=frozenset({1, 2})), Wait)
+    strict = Policy(min_slices=2, repair_timeout_s=1.0, max_slice_failures=1)
+    assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, strict, coming=frozenset({2})), GiveUp)

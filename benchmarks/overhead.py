@@ -1,0 +1,159 @@
+"""What the library costs on a day nothing fails: the plain pipelined jitted loop against the elastic loop, in one run.
+
+    .venv/bin/python benchmarks/overhead.py --json [--mib 200] [--steps 30]
+
+An MLP with adam whose state (parameters and both moments) is ``--mib`` MiB, replicated over 4 slices x 2 CPU
+devices, each batch split over the 8 devices: the same mesh, shardings, batches and step for every loop.
+
+- ``plain``: ``jax.jit(step)`` dispatched step after step, one host sync at the end (jax keeps the loop ahead of
+  the devices);
+- ``elastic``: ``ElasticJob`` with ``snapshot_every=10`` and ``=1`` (``steps_in_flight=2``, the default), and
+  at ``snapshot_every=10`` with ``steps_in_flight=1`` (each commit waits for its step: how it was before).
+
+Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
+pass: compiles excluded) with its ``ratio_*`` over the plain loop's; ``start_seconds`` (entering the job to its
+first step committed, minus the plain loop's first step, Ray already up) and ``close_seconds`` (leaving the job).
+On this 2-core machine the job's Ray processes (supervisor, agents, keepers) share the cores with the "devices":
+part of any ratio above 1 is theirs, not the loop's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import runtime  # noqa: E402
+
+BATCH = 48  # rows split over 8 devices
+LAYERS = 4
+OPT = optax.adam(1e-4)
+
+
+def width_for(mib: float) -> int:
+    """The layer width whose parameters and two adam moments make about ``mib`` MiB."""
+    return max(64, int((mib * 2**20 / 4 / 3 / LAYERS) ** 0.5))
+
+
+def make(width: int):  # noqa: ANN201
+    def init(key):  # noqa: ANN001, ANN202
+        keys = jax.random.split(key, LAYERS)
+        params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys]
+        return {"params": params, "opt": OPT.init(params)}
+
+    def step(state, x):  # noqa: ANN001, ANN202
+        def loss_fn(params):  # noqa: ANN001, ANN202
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = OPT.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    return init, step
+
+
+def batch(step: int, width: int) -> np.ndarray:
+    return np.random.default_rng(step).normal(size=(BATCH, width)).astype(np.float32)
+
+
+def plain(width: int, steps: int) -> dict[str, float]:
+    init, step = make(width)
+    mesh = runtime.build_mesh(runtime.simulated_topology(4, 2).slices)
+    rows = runtime.batch_sharding(mesh)
+    state = jax.jit(init, out_shardings=NamedSharding(mesh, PartitionSpec()))(jax.random.key(0))
+    fn = jax.jit(step, donate_argnums=0)
+    times = []
+    t0 = time.perf_counter()
+    for k in range(steps):
+        state, loss = fn(state, jax.device_put(batch(k, width), rows))
+        if k == 1:  # compiled and warm: time the rest as one pipelined stretch
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+        elif k == 0:
+            jax.block_until_ready(loss)
+            first = time.perf_counter() - t0
+    jax.block_until_ready(state)
+    return {"step_seconds": (time.perf_counter() - t1) / (steps - 2), "first_step_seconds": first,
+            "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state))}
+
+
+def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str, float]:
+    from elastic import ElasticConfig, ElasticJob, Policy
+
+    init, step = make(width)
+    stamps: dict[int, float] = {}
+
+    def loop(run):  # noqa: ANN001, ANN202
+        state = run.state
+        fn = run.jit(step, donate_argnums=0)
+        for k in run.steps:
+            state, loss = fn(state, run.shard_batch(batch(k, width)))
+            run.commit(state)
+            stamps[k] = time.perf_counter()
+        return state
+
+    config = ElasticConfig(job_name=f"overhead-{every}-{in_flight}", num_slices=4, devices_per_slice=2,
+                           num_steps=steps, snapshot_every=every, steps_in_flight=in_flight,
+                           policy=Policy(min_slices=2))
+    t0 = time.perf_counter()
+    job = ElasticJob(config, init_fn=init)
+    job.__enter__()
+    result = job.run(loop)
+    t_closing = time.perf_counter()
+    job.__exit__(None, None, None)
+    close = time.perf_counter() - t_closing
+    assert result.report.steps_committed == steps
+    span = stamps[steps - 1] - stamps[1]
+    return {"step_seconds": span / (steps - 2), "first_commit_seconds": stamps[0] - t0, "close_seconds": close,
+            "blocking_seconds": result.report.snapshot_blocking_seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=float, default=200.0)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    from elastic.control.cluster import connect
+
+    t = time.perf_counter()
+    connect()
+    ray_start = time.perf_counter() - t
+    width = width_for(args.mib)
+    base = plain(width, args.steps)
+    runs = {"every10": elastic_run(width, args.steps, 10, 2), "every1": elastic_run(width, args.steps, 1, 2),
+            "every10_in_flight1": elastic_run(width, args.steps, 10, 1)}
+    again = plain(width, args.steps)  # the machine drifts: the baseline before and after, the mean of both
+    plain_step = statistics.mean([base["step_seconds"], again["step_seconds"]])
+    out: dict[str, float | int] = {"state_bytes": base["state_bytes"], "width": width, "steps": args.steps,
+                                   "ray_start_seconds": round(ray_start, 2), "plain_step_seconds": round(plain_step, 4)}
+    for name, r in runs.items():
+        out[f"step_seconds_{name}"] = round(r["step_seconds"], 4)
+        out[f"ratio_{name}"] = round(r["step_seconds"] / plain_step, 3)
+    out["start_seconds"] = round(runs["every10"]["first_commit_seconds"] - base["first_step_seconds"], 2)
+    out["close_seconds"] = round(runs["every10"]["close_seconds"], 2)
+    out["snapshot_blocking_seconds_every1"] = runs["every1"]["blocking_seconds"]
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
