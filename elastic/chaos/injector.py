@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
 
+DRILL_NAMESPACE = "elastic-drills"  # Ray KV namespace of the marks of worker faults fired
 COLLECTIVE_DELAY_S = 0.02  # a kill "during the collective": this long into the step, its work in flight
 
 
@@ -103,6 +105,19 @@ class WorkerFaults:
         self.faults = tuple(f for f in faults if f.kind in self.KINDS)
         self.hold_s = hold_s
         self._fired: set[Fault] = set()
+        self._drill = uuid.uuid4().hex  # this plan, in every worker it is sent to (its marks in Ray's KV store)
+
+    def _first(self, fault: Fault) -> bool:
+        """Whether ``fault`` fires here: once per drill across every process of the job, a replacement process
+        included (a worker that dies before the driver saw its step would otherwise fire it again in its
+        successor, forever). Marked in Ray's key-value store (cluster-wide) before it fires."""
+        from ray.experimental import internal_kv
+
+        key = f"{self._drill}:{self.faults.index(fault)}".encode()
+        try:
+            return not internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=DRILL_NAMESPACE)
+        except Exception:  # noqa: BLE001 - no KV (not a Ray worker): once per process, as the caller ensures
+            return True
 
     def __call__(self, context: Any) -> None:
         step, slice_index = context.step, context.slice
@@ -117,6 +132,8 @@ class WorkerFaults:
             if (fault.slice is not None and fault.slice != slice_index) or fault.during in ("forming", "restore"):
                 continue
             self._fired.add(fault)
+            if fault.slice is not None and not self._first(fault):
+                continue
             get_logger("elastic.faults").warning("fault_injected", kind=fault.kind, step=step, slice=slice_index,
                                                  during=fault.during)
             if fault.kind == "kill" and fault.during == "collective":  # the step's work dispatched and running
@@ -138,6 +155,8 @@ class WorkerFaults:
             if (fault.kind == "kill" and fault.during == name and fault.slice == context.slice
                     and fault not in self._fired and context.step >= fault.at_step):
                 self._fired.add(fault)
+                if not self._first(fault):
+                    continue
                 get_logger("elastic.faults").warning("fault_injected", kind="kill", during=name, slice=context.slice,
                                                      step=context.step)
                 os.kill(os.getpid(), signal.SIGKILL)
