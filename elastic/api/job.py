@@ -124,10 +124,15 @@ class ElasticJob:
         if not jax.tree_util.tree_leaves(self._abstract):
             raise ConfigError(f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
                               "the state to train, a pytree of arrays (e.g. a dict of parameters)")
-        self._init_from = None
+        self._init_from, self.init_step = None, 0
         if init_from is not None:  # read at the first fresh start; its tree is checked now
-            self._init_from, _ = orbax_io.resolve(init_from)
+            self._init_from, found = orbax_io.resolve(init_from)
             orbax_io.check_matches(self._init_from, self._abstract)
+            self.init_step = found or 0  # a CheckpointManager's step S: the job continues at step S
+            if self.init_step >= config.num_steps:
+                raise ConfigError(f"init_from={str(init_from)!r} is the checkpoint of step {self.init_step}: the run "
+                                  f"continues from there, so num_steps ({config.num_steps}) must exceed it (num_steps "
+                                  "counts from step 0, as the checkpoint's run did)")
         self._save_final_to = None if save_final_to is None else orbax_io.check_new_directory(save_final_to)
         self._record_dir = record_dir or os.environ.get(RECORD_DIR_ENV) or None
         self._client_events: ClientEvents | None = None
@@ -237,6 +242,7 @@ class ElasticJob:
         hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
         return WorkerSpec(config=self.config, init_fn=self._init_fn, shardings_fn=self._shardings_fn,
                           mesh_fn=self._mesh_fn, init_from=None if self._init_from is None else str(self._init_from),
+                          init_step=self.init_step,
                           step_hooks=tuple(hooks), cache_dir=self._cache_dir,
                           keepers=bool(self.config.tiers.keeper_every))
 
@@ -325,7 +331,7 @@ class ElasticJob:
             assert self._tiers is not None
             return LocalPlacement(self.config, topology=self.topology, mesh_fn=self._mesh_fn,
                                   shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
-                                  initial_state=self._initial_state)
+                                  initial_state=self._initial_state, init_step=self.init_step)
         from elastic.placements.processes import ProcessPlacement
 
         return ProcessPlacement(self.config, spec=self._worker_processes._spec, group=lambda: self.group,  # noqa: SLF001

@@ -10,8 +10,10 @@
 
 The checkpoint's tree (paths, shapes, dtypes) is checked against ``init_fn``'s at construction: a mismatch is
 a ``ConfigError`` listing the differences, before anything starts. It is restored straight onto the mesh's
-shardings (any mesh). The job's steps still count from 0: to continue a run, offset the data by the
-checkpoint's step (``checkpoint_step(path)``) and set ``num_steps`` to the steps left.
+shardings (any mesh). A checkpoint whose step its layout gives (a ``CheckpointManager``'s ``root/S``) is continued
+at step S: ``run.steps`` starts there, steps 0..S-1 count as done in the ledger (each with its own batch) and
+the report says ``extra["continued_from_step"]``; ``num_steps`` is the run's total, as for the run that wrote the
+checkpoint. A checkpoint with no step in its path starts at step 0.
 
 ``ElasticJob(save_final_to=path)``: after the last step, the final state is written to ``path`` with
 ``ocp.StandardCheckpointer``, readable without this package. ``path`` must not exist yet (nothing already

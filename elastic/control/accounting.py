@@ -77,9 +77,12 @@ class Accounting:
                           epoch=view.epoch, waited_for_snapshot_s=waited_s, source=source, shards_kept=shards_kept,
                           **(detail or {}))
 
-    def fresh_start(self) -> None:
-        """Nothing saved anywhere: commits so far (if any) will be redone from step 0."""
-        self.ledger.rollback({"runs": []})
+    def fresh_start(self, step: int = 0) -> None:
+        """Nothing saved anywhere: commits so far (if any) will be redone from ``step`` (0, or the step of the
+        checkpoint the job continues: its steps 0..step-1 count as done, each with its own batch)."""
+        self.ledger.rollback({"runs": [[0, 0, step]] if step else []})
+        if step:
+            self.report.extra["continued_from_step"] = step
 
     def regrouped(self, old: View, new: View) -> None:
         grew = len(new.active) > len(old.active)

@@ -153,7 +153,7 @@ class Controller:
             self._acct.timeline.add("resharded", step=placed.step, slices=len(view.active), epoch=view.epoch,
                                     **placed.detail)
         elif placed.how == "fresh":
-            self._acct.fresh_start()
+            self._acct.fresh_start(placed.step)
         else:
             self._acct.restored(placed.meta, step=placed.step, tier=placed.tier or "memory",
                                 generation=placed.generation, view=view, waited_s=placed.waited_s,

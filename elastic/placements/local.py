@@ -29,7 +29,7 @@ __all__ = ["LocalPlacement"]
 class LocalPlacement:
     def __init__(self, config: ElasticConfig, *, topology: runtime.Topology, mesh_fn: runtime.MeshFn | None,
                  shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
-                 initial_state: Callable[[Any], Any] | None = None) -> None:
+                 initial_state: Callable[[Any], Any] | None = None, init_step: int = 0) -> None:
         self.config = config
         self._topology = topology
         self._mesh_fn = mesh_fn
@@ -37,6 +37,7 @@ class LocalPlacement:
         self._init_fn = init_fn
         self._tiers = tiers
         self._initial_state = initial_state  # shardings -> the state at step 0 (None: init_fn's)
+        self._init_step = init_step  # the step a fresh start begins at (an Orbax checkpoint's)
         self._live: LiveState | None = None
         self._prepared: tuple[View, Mesh, Any, int, dict[str, Any]] | None = None  # a pass's view, mesh, state...
         self._state: Any = None  # the newest state of the last pass (its final state at the end)
@@ -82,8 +83,8 @@ class LocalPlacement:
                 state = init(jax.random.key(self.config.seed))
             state = runtime.wait_ready(state, devices, timeout_s=self._wait_s, what="the initial state")
             self._fresh = True
-            self._prepared = (view, mesh, state, 0, {})
-            return Placed(how="fresh", step=0)
+            self._prepared = (view, mesh, state, self._init_step, {})
+            return Placed(how="fresh", step=self._init_step)
         during("restore", restored.step, view)
         state = runtime.wait_ready(restored.state, devices, timeout_s=self._wait_s,  # the copies have landed
                                    what=f"the restore of step {restored.step}")
@@ -119,7 +120,7 @@ class LocalPlacement:
         run = Run(pass_host, view=view, mesh=mesh, state=state, start_step=start, extras=extras)
         if self._fresh:
             self._fresh = False
-            pass_host.save(0, run.state, {})
+            pass_host.save(start, run.state, {})
         try:
             value = loop(run)
         except Regroup as regroup:

@@ -178,7 +178,7 @@ class ProcessPlacement:
                                           "backend", "shardings", "restore")}}}
         meta = results[members[0]].get("meta")
         if source == "fresh":
-            return Placed(how="fresh", step=0, detail=detail)
+            return Placed(how="fresh", step=self._spec.init_step, detail=detail)
         assert step is not None and meta is not None
         if live:
             return Placed(how="moved", step=step, detail=detail)

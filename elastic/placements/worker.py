@@ -71,7 +71,8 @@ class WorkerSpec:
     init_fn: Callable[[jax.Array], Any]
     shardings_fn: Callable[..., Any] | None = None
     mesh_fn: runtime.MeshFn | None = None
-    init_from: str | None = None  # an Orbax checkpoint whose state replaces init_fn's at step 0
+    init_from: str | None = None  # an Orbax checkpoint whose state replaces init_fn's at step ``init_step``
+    init_step: int = 0  # where a fresh start begins (the checkpoint's step: the run continues there)
     step_hooks: tuple[StepHook, ...] = ()  # run in the worker as each step starts (a drill's faults)
     cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
     keepers: bool = False  # the job keeps keeper actors (in its namespace)
@@ -291,7 +292,8 @@ class SliceWorker:
             ledger.steps, ledger.batches = Ledger.expand(meta["ledger"])
             self._holdings.forget_after(plan.step or 0)
         extras = dict(meta["extras"]) if meta is not None else {}
-        self._prepared = (mesh, state, plan.step or 0, extras, ledger)
+        begin = plan.step if plan.step is not None else (self._spec.init_step if plan.source == "fresh" else 0)
+        self._prepared = (mesh, state, begin, extras, ledger)
         phases["restore"] = time.monotonic() - mark
         phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
         self._begin_tiers(plan, mesh, state)
@@ -322,7 +324,9 @@ class SliceWorker:
                 from elastic.api import orbax_io
 
                 path, _ = orbax_io.resolve(self._spec.init_from)
-                return orbax_io.restore_onto(path, abstract, shardings), None
+                state = orbax_io.restore_onto(path, abstract, shardings)
+                start = self._spec.init_step
+                return state, ({"ledger": {"runs": [[0, 0, start]]}, "extras": {}} if start else None)
             return jax.jit(self._spec.init_fn, out_shardings=shardings)(jax.random.key(self._config.seed)), None
         step = plan.step
         assert step is not None
@@ -555,7 +559,7 @@ class SliceWorker:
         run = Run(host, view=plan.view, mesh=mesh, state=state, start_step=start, extras=extras)
         del state
         if plan.source == "fresh":
-            host.save(0, run.state, {})
+            host.save(start, run.state, {})
         try:
             self._loop_of(plan)(run)
             out.update(status="finished", ledger=ledger.to_meta())

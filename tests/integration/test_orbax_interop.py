@@ -32,15 +32,12 @@ def train_step(state, data):
             "key": jax.random.split(state["key"])[0]}, loss
 
 
-def loop(offset: int = 0):
-    def run_loop(run):
-        state, step_fn = run.state, run.guard(train_step)
-        for step in run.steps:
-            state, loss = step_fn(state, run.shard_batch(batch(offset + step, 48)))
-            run.commit(state, loss=loss)
-        return state
-
-    return run_loop
+def loop(run):
+    state, step_fn = run.state, run.guard(train_step)
+    for step in run.steps:
+        state, loss = step_fn(state, run.shard_batch(batch(step, 48)))
+        run.commit(state, loss=loss)
+    return state
 
 
 def plain(state, first: int, count: int):
@@ -62,12 +59,15 @@ def users_checkpoint(tmp_path, steps: int = 7):
 def test_a_job_starts_from_an_orbax_checkpoint_survives_a_loss_and_writes_one_at_the_end(ray_local, tmp_path):
     root, saved = users_checkpoint(tmp_path)
     assert checkpoint_step(root) == 7
-    cfg = config("orbax-interop", num_steps=20)
+    cfg = config("orbax-interop", num_steps=27)  # the run continues at the checkpoint's step 7, up to step 27
     job = ElasticJob(cfg, init_fn=init_state, init_from=root, save_final_to=tmp_path / "final",
                      faults=Faults().kill_slice(2, at_step=12))
     with job:
-        result = job.run(loop(offset=7))
-    assert job.report.recoveries == 1
+        result = job.run(loop)
+    r = job.report
+    assert r.recoveries == 1 and r.extra["continued_from_step"] == 7
+    assert r.steps_committed == 27 and r.duplicate_steps == 0 and r.skipped_steps == 0  # 0..6 the checkpoint's
+    assert min(e["step"] for e in r.restores) >= 10  # restored from a snapshot of this run, never before step 7
     expected = plain(saved, 7, 20)  # the user's run continued for 20 more steps, without the library
     assert max_abs_diff(result.state["params"], expected["params"]) < 1e-5
     assert np.array_equal(jax.random.key_data(result.state["key"]), jax.random.key_data(expected["key"]))
@@ -96,4 +96,6 @@ def test_bad_checkpoints_and_targets_are_refused_at_construction(tmp_path):
         ElasticJob(cfg, init_fn=init_state, init_from=tmp_path / "empty")
     with pytest.raises(ConfigError, match="exists: choose a new directory"):
         ElasticJob(cfg, init_fn=init_state, save_final_to=root)
+    with pytest.raises(ConfigError, match="checkpoint of step 1: the run continues from there, so num_steps"):
+        ElasticJob(config("orbax-bad", num_steps=1), init_fn=init_state, init_from=root)
     assert checkpoint_step(root) == 1  # still there, untouched
