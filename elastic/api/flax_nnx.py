@@ -41,7 +41,9 @@ AxisRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 """Annotation axis name -> mesh axis (or axes, or None: replicated), as flax's logical axis rules."""
 
 _FIX = ("use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit (it merges, runs and splits the "
-        "module inside the jit), or pass the @nnx.jit function to run.guard instead")
+        "module inside the jit; further NNX objects the step takes, metrics..., go into the state with "
+        "NnxAdapter(extras_fn=...)), or pass the @nnx.jit function to run.guard with every object it takes merged "
+        "from run.state in each pass")
 
 
 def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
@@ -77,19 +79,23 @@ class NnxAdapter:
     streams stored in the model, e.g. by ``nnx.Dropout(rate, rngs=rngs)``, become part of the state);
     ``optimizer_fn(model) -> nnx.Optimizer``. Both must build the same structure on every call.
     ``axis_rules`` maps the names of ``nnx.with_partitioning`` annotations onto mesh axes.
+    ``extras_fn(model)``: further NNX objects the step takes after the optimizer (one, or a tuple), e.g. the
+    tutorial's ``nnx.MultiMetric``: they are carried in the state too (snapshotted, resharded, restored), and
+    ``train_step(model, optimizer, *extras, *args)`` updates them in place like the others.
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
     optimizer_fn: Callable[[nnx.Module], nnx.Optimizer]
     axis_rules: AxisRules = ()
+    extras_fn: Callable[[nnx.Module], Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("model_fn", "optimizer_fn"):
+        for name in ("model_fn", "optimizer_fn") + (("extras_fn",) if self.extras_fn is not None else ()):
             if not callable(getattr(self, name)):
                 raise ConfigError(f"NnxAdapter({name}=...) must be a callable, got {getattr(self, name)!r}")
         object.__setattr__(self, "axis_rules", check_rules(self.axis_rules))
 
-    def _build(self, key: jax.Array) -> tuple[nnx.Module, nnx.Optimizer]:
+    def _build(self, key: jax.Array) -> tuple[Any, ...]:
         # Annotations are applied by the job when it places the state (jit out_shardings), not eagerly:
         # eager sharding would need a mesh here, and the mesh changes with the healthy slices.
         with nnx.use_eager_sharding(False):
@@ -97,10 +103,16 @@ class NnxAdapter:
             if not isinstance(model, nnx.Module):
                 raise ConfigError(f"model_fn(rngs) returned {type(model).__name__}: return an nnx.Module")
             optimizer = self.optimizer_fn(model)
+            extras = self.extras_fn(model) if self.extras_fn is not None else ()
         if not isinstance(optimizer, nnx.Pytree):
             raise ConfigError(f"optimizer_fn(model) returned {type(optimizer).__name__}: return an nnx.Optimizer "
                               "(e.g. nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))")
-        return model, optimizer
+        extras = extras if isinstance(extras, tuple) else (extras,)
+        for extra in extras:
+            if not isinstance(extra, nnx.Pytree):
+                raise ConfigError(f"extras_fn(model) returned {type(extra).__name__}: return NNX objects (an "
+                                  "nnx.MultiMetric, a module...), one or a tuple")
+        return (model, optimizer, *extras)
 
     @functools.cached_property
     def _abstract(self) -> tuple[nnx.GraphDef, nnx.State]:
@@ -127,9 +139,14 @@ class NnxAdapter:
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         return jax.tree_util.tree_unflatten(treedef, fixed)
 
-    def merge(self, state: nnx.State) -> tuple[nnx.Module, nnx.Optimizer]:
-        """``(model, optimizer)`` over ``state``'s arrays (new objects; updating them does not change ``state``)."""
-        return nnx.merge(self.graphdef, state)
+    def merge(self, state: nnx.State) -> tuple[Any, ...]:
+        """``(model, optimizer, *extras)`` over ``state``'s arrays (new objects; updating them does not change
+        ``state``)."""
+        return tuple(nnx.merge(self.graphdef, state))
+
+    def extras(self, state: nnx.State) -> tuple[Any, ...]:
+        """The ``extras_fn`` objects over ``state``'s arrays (e.g. the metrics, to ``compute()`` them)."""
+        return self.merge(state)[2:]
 
     def module(self, state: nnx.State) -> nnx.Module:
         """The model over ``state``'s arrays, in the mode it was built in (call ``.eval()`` to evaluate)."""
@@ -137,14 +154,14 @@ class NnxAdapter:
 
     def step(self, train_step: Callable[..., Any]) -> Callable[..., tuple[nnx.State, Any]]:
         """``step(state, *args, **kwargs) -> (new_state, out)`` from an in-place
-        ``out = train_step(model, optimizer, *args, **kwargs)`` (plain or ``@nnx.jit``): merge, run, split.
+        ``out = train_step(model, optimizer, *extras, *args, **kwargs)`` (plain or ``@nnx.jit``): merge, run, split.
         Pure, so fit for ``run.jit``; ``out`` (e.g. the loss) must hold arrays, not modules."""
         graphdef = self.graphdef
 
         def functional(state: nnx.State, *args: Any, **kwargs: Any) -> tuple[nnx.State, Any]:
-            model, optimizer = nnx.merge(graphdef, state)
-            out = train_step(model, optimizer, *args, **kwargs)
-            new_graphdef, new_state = nnx.split((model, optimizer))
+            objects = tuple(nnx.merge(graphdef, state))  # model, optimizer, *extras
+            out = train_step(*objects, *args, **kwargs)
+            new_graphdef, new_state = nnx.split(objects)
             if new_graphdef != graphdef:
                 raise ConfigError(f"{_name(train_step)} changed the structure of the model or optimizer (added or "
                                   "removed attributes, or switched train/eval mode): a step may only update values")

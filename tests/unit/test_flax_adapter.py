@@ -264,3 +264,29 @@ def test_linen_step_equals_a_plain_step_bit_for_bit(run):
     logits = adapter.module.apply(adapter.variables(state), jax.device_put(_batch(0)[0], batch_sharding(run.mesh)),
                                   train=False)
     assert logits.shape == (48, 4)
+
+
+def metrics_step(model: MLP, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, x: jax.Array, y: jax.Array):
+    """The tutorial's step: the metrics object beside the model and optimizer, updated in place."""
+    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+    metrics.update(loss=loss)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_nnx_extras_carry_the_tutorials_metrics_in_the_state(run):
+    """``extras_fn``: the step's further NNX objects (the tutorial's MultiMetric) live in the state, so they are
+    snapshotted and moved with it; the step updates them in place and they equal plain NNX's, bit for bit."""
+    adapter = _adapter(axis_rules=RULES, extras_fn=lambda model: nnx.MultiMetric(loss=nnx.metrics.Average("loss")))
+    state = _placed(adapter, adapter.init_fn, run.mesh)
+    model, optimizer, metrics = adapter.merge(state)  # plain NNX from here
+    step_fn = run.jit(adapter.step(metrics_step))
+    for step in range(3):
+        x, y = run.shard_batch(_batch(step))
+        state, loss = step_fn(state, x, y)
+        assert float(loss) == float(nnx.jit(metrics_step)(model, optimizer, metrics, x, y))
+    (carried,) = adapter.extras(state)
+    assert float(carried.compute()["loss"]) == float(metrics.compute()["loss"])
+    assert int(carried.loss.count[...]) == 3
+    with pytest.raises(ConfigError, match="extras_fn"):
+        run.jit(adapter.step(plain_step))(state, nnx.MultiMetric(loss=nnx.metrics.Average("loss")), *_batch(0))
