@@ -276,7 +276,7 @@ class ChaosRunner:
             persistent_every=cfg.tiers.persistent_every if cfg.tiers.persistent_dir else None,
             outcome=box["outcome"], expect=plan.expect if plan is not None else "finish", error=box["error"],
             steps=tuple(ledger.steps), batches=tuple(ledger.batches),
-            executed=tuple(seams.executed if seams is not None else executed if multi else ledger.steps),
+            executed=tuple(executed if multi else (s for s, _ in trail)),  # every confirmed commit, in order
             recomputed=ledger.recomputed,
             restores=tuple(report.restores), slices_initial=report.slices_initial,
             min_slices_seen=report.min_slices_seen, state=box.get("state"), latest_snapshot_step=box.get("latest"),

@@ -39,7 +39,6 @@ class Seams:
         self._events_seen = 0
         self._slices: tuple[int, ...] | None = None
         self._reached = -1  # the highest step started
-        self.executed: list[int] = []  # every commit, in order
         self._log = get_logger("elastic.chaos.catalogue", job=job.config.job_name)
 
     def loop(self, user_loop: Callable[[Run], Any]) -> Callable[[Run], Any]:
@@ -119,11 +118,6 @@ class Seams:
             epoch = view.epoch
         self._log.warning("silenced_slice_still_active", slice=slice_)
 
-    def committed(self, step: int) -> None:
-        ledger = self._job.ledger.steps
-        if ledger and ledger[-1] == step:
-            self.executed.append(step)
-
 
 class ChaosRun:
     """The user's ``run``, with the chaos seams around its steps and commits; everything else is the run's."""
@@ -148,9 +142,6 @@ class ChaosRun:
 
     def commit(self, state: Any, **kwargs: Any) -> None:
         step = self._step
-        try:
-            self._seams.fire("mid_step", self._run, step)
-            self._run.commit(state, **kwargs)
-        finally:
-            self._seams.committed(step)
+        self._seams.fire("mid_step", self._run, step)
+        self._run.commit(state, **kwargs)
         self._seams.fire("snapshot", self._run, step)
