@@ -84,7 +84,8 @@ def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
     with pytest.raises(ConfigError, match=r"batch_fn\(17\) returned leaves with different leading sizes"):
         trainer.fit()
     snap = trainer.job.latest_snapshot()
-    assert snap.step == 15 and trainer.job.ledger.steps == list(range(17))
+    # steps 0..16 ran; 16 may still have been in flight (steps_in_flight=2) when step 17's batch was refused
+    assert snap.step == 15 and trainer.job.ledger.steps in (list(range(16)), list(range(17)))
 
 
 def test_plain_step_fn_with_indivisible_batch_after_shrink_is_refused_when_built(ray_local):
