@@ -41,6 +41,10 @@ def connect(address: str | None = None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
     quiet.route_ray_loggers()
+    if address and address != "auto" and "://" not in address.removeprefix("gcs://"):
+        from elastic.control.reach import probe
+
+        probe(address)  # a clear ClusterError within seconds, not ray.init's 20-40 s of retries
     with quiet.starting_ray():
         if address:
             ray.init(address=address, **common)

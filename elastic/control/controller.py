@@ -137,7 +137,7 @@ class Controller:
         self._acct.on_view(view)
         if self._recovering or action.live:  # moving to another mesh: did the standbys cover it?
             ready = self._placement.standby_ready(view)
-            self._acct.timeline.add("standby_ready" if ready else "standby_missing", epoch=view.epoch,
+            self._acct.timeline.add("standby_ready" if ready else "compile_on_move", epoch=view.epoch,
                                     slices=len(view.active))
         if self._recovering:
             self._acct.report.recoveries += 1
