@@ -8,7 +8,6 @@ same process.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -65,7 +64,9 @@ def _use_compilation_cache(job_name: str) -> str:
     workers of a multi-process job and its standby group share it)."""
     if jax.config.jax_compilation_cache_dir:
         return str(jax.config.jax_compilation_cache_dir)
-    directory = os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name)
+    from elastic.control.private import private_temp
+
+    directory = str(private_temp("jax-cache", job_name))  # 0700, this user's: not a path another could plant
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
@@ -206,12 +207,14 @@ class ElasticJob:
                     self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1).start()
             self._group.launch()
             if self._tiers is not None:
-                self._tiers.start()
+                self._tiers.on_event = self._acct.timeline.add
+                self._tiers.start(token=self._group.token)
         except BaseException:
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
-            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
+            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}",
+                                 key=self._group.stream_key)
             self._client_events = ClientEvents(stream, self._last_completed).attach(self._acct)
         self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
                                     lost_after_s=supervisor_lost_after_s(self.config))

@@ -190,7 +190,7 @@ class Controller:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
         incarnations, suspect = self._placement.lost(action.dead)
         self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error",
-                                                  self._group.token, incarnations, suspect)
+                                                  incarnations=incarnations, suspect=suspect)
         view = self._watcher.wait_for(lambda v: v.epoch > action.after_epoch and not v.active & action.dead,
                                       self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed")
         return ViewSeen(view)

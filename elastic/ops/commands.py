@@ -20,7 +20,11 @@ FOLLOW_POLL_S = 0.5
 def _source(args: argparse.Namespace) -> Any:
     from elastic.ops.runs import open_run
 
-    return open_run(args.job, run=args.run, directory=args.dir)
+    source = open_run(args.job, run=args.run, directory=args.dir, token=args.token)
+    if source.forged:
+        print(f"elastic: {source.forged} record(s) in job {args.job!r}'s stream are not signed by its writers: left "
+              "out", file=sys.stderr)
+    return source
 
 
 def _print_records(records: list[dict[str, Any]], as_json: bool) -> None:
@@ -84,6 +88,12 @@ def _events(args: argparse.Namespace) -> int:
         fresh = events.read(source.job, source.run, after=last)
         if fresh:
             last = max((r["wall"], r["writer"], r["seq"]) for r in fresh)
+        if source.key is not None:
+            fresh, forged = events.verify(fresh, source.key)
+            if forged:
+                print(f"elastic: {len(forged)} record(s) not signed by job {source.job!r}'s writers: left out",
+                      file=sys.stderr, flush=True)
+        if fresh:
             _print_records([r for r in fresh if not args.kind or r["kind"] in set(args.kind.split(","))], args.json)
             if any(r["kind"] == "closed" for r in fresh):
                 return 0
@@ -130,7 +140,7 @@ def _report(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic.control.cluster import connect, read_token
+    from elastic.control.cluster import connect, find_token
     from elastic.config import ElasticConfig
     from elastic.errors import ConfigError
     from elastic.supervision.supervisor import SUPERVISOR_NAME
@@ -140,7 +150,7 @@ def _inject(args: argparse.Namespace) -> int:
                           f"{args.fault} into slice {args.slice} of job {args.job!r} without asking")
     if not os.environ.get("RAY_ADDRESS"):
         raise ConfigError("elastic inject acts on a running job: set RAY_ADDRESS to its cluster")
-    token = args.token or os.environ.get("ELASTIC_TOKEN") or read_token(args.job)
+    token = find_token(args.job, args.token)
     if token is None:
         raise ConfigError(f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
                           "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
@@ -158,7 +168,7 @@ def _inject(args: argparse.Namespace) -> int:
         supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
     except ValueError as err:
         raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
-    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token), timeout=30)
+    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
     print(json.dumps({"job": args.job, **out}) if args.json else
           f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}", flush=True)
     return 0

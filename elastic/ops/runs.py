@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.errors import ConfigError
+from elastic.errors import AccessError, ConfigError
 
 __all__ = ["Source", "elastic_home", "failures", "fold_report", "fold_status", "open_run", "records_dir", "describe"]
 
@@ -35,11 +35,17 @@ class Source:
     where: str  # "cluster <address>" or the run record's directory
     records: list[dict[str, Any]]
     report: dict[str, Any] | None = None
+    key: str | None = None  # the job's stream key (records read from the cluster verify under it)
+    forged: int = 0  # records left out: not signed by the job's writers
 
 
-def open_run(job: str, *, run: str | None = None, directory: str | None = None) -> Source:
+def open_run(job: str, *, run: str | None = None, directory: str | None = None, token: str | None = None) -> Source:
     """The records of ``job``'s run (default: its newest): from ``directory`` if given, from the cluster named
-    by ``RAY_ADDRESS`` if set, else from the run records under :func:`records_dir`."""
+    by ``RAY_ADDRESS`` if set, else from the run records under :func:`records_dir`.
+
+    From the cluster only with the job's credential (``token``, else ``$ELASTIC_TOKEN`` or the file its client
+    wrote for this user): ``AccessError`` without it or with another job's; records that do not verify under it
+    are left out and counted (``forged``)."""
     from elastic.supervision import events
 
     if directory is not None:
@@ -48,13 +54,24 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None) 
     if os.environ.get("RAY_ADDRESS"):
         from elastic.control.cluster import connect
 
+        from elastic.control.cluster import find_token
+        from elastic.supervision.credential import derive
+
         connect()
         run = run or events.current_run(job)
         if run is None:
             raise ConfigError(f"no job {job!r} on the cluster at {os.environ['RAY_ADDRESS']} (no event stream); "
                               f"jobs there: {sorted(_jobs_online()) or 'none'}")
-        return Source(job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}",
-                      records=events.read(job, run))
+        token = find_token(job, token)
+        if token is None:
+            raise AccessError(f"no credential for job {job!r} here: run this as the job's user on its client machine "
+                              "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
+        key = derive(token, "stream")
+        records, forged = events.verify(events.read(job, run), key)
+        if not any(r["writer"] == "job" and r["kind"] == "run_started" for r in records) and forged:
+            raise AccessError(f"the credential given is not job {job!r}'s (its event stream does not verify under it)")
+        return Source(job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}", records=records, key=key,
+                      forged=len(forged))
     runs = sorted(p for p in (records_dir() / job).glob("*") if (p / "events.jsonl").exists())
     if run is not None:
         runs = [p for p in runs if p.name == run]
