@@ -267,8 +267,10 @@ class ElasticJob:
         if self._record_dir is None or self._group is None or self._group.run is None:
             return
         try:
-            records = events.read(self.config.job_name, self._group.run)
-            where = Path(self._record_dir) / self.config.job_name / self._group.run
+            from elastic.control.private import private_dir
+
+            records, _ = events.verify(events.read(self.config.job_name, self._group.run), self._group.stream_key)
+            where = private_dir(Path(self._record_dir) / self.config.job_name) / self._group.run  # 0700: this user's
             events.dump(records, where, report=self.report.to_dict())
         except Exception as err:  # noqa: BLE001 - a record is a convenience: the job's result stands
             self._log.warning("record_failed", error=repr(err))

@@ -33,8 +33,10 @@ from typing import Any
 
 from ray.experimental import internal_kv as kv
 
-__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "runs", "sign",
-           "verify"]
+from elastic.errors import ConfigError
+
+__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "parse", "runs",
+           "sign", "verify"]
 
 NAMESPACE = "elastic-events"
 DEFAULT_KEEP = 50_000  # records per writer (~200 bytes each: ~10 MB per writer at most)
@@ -61,6 +63,9 @@ def verify(records: Iterable[dict[str, Any]], key: str) -> tuple[list[dict[str, 
     unsigned); the good ones keep their ``mac``."""
     good, bad = [], []
     for r in records:
+        if not isinstance(r, dict):
+            bad.append(r)
+            continue
         mac = r.get("mac")
         body = {k: v for k, v in r.items() if k != "mac"}
         ok = isinstance(mac, str) and hmac.compare_digest(mac, _mac(body, key))
@@ -144,11 +149,28 @@ def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = No
     if not keys:
         return []
     values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())
-    records = [json.loads(v) for v in values.values() if v]
+    records = [r for r in (parse(v) for v in values.values() if v) if r is not None]
     records.sort(key=_order)
     if after is not None:
         records = [r for r in records if _order(r) > after]
     return records
+
+
+def parse(value: bytes | str) -> dict[str, Any] | None:
+    """A stored record, or None if it is not one (not JSON, not an object, or without a numeric ``wall``, a
+    string ``writer`` and ``kind`` and an integer ``seq``): such values were not written by this module."""
+    try:
+        record = json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    wall, seq = record.get("wall"), record.get("seq")
+    if (not isinstance(wall, (int, float)) or isinstance(wall, bool) or wall != wall
+            or not isinstance(seq, int) or isinstance(seq, bool)
+            or not isinstance(record.get("writer"), str) or not isinstance(record.get("kind"), str)):
+        return None
+    return record
 
 
 def _order(record: dict[str, Any]) -> tuple[float, str, int]:
@@ -175,7 +197,24 @@ def dump(records: list[dict[str, Any]], directory: str | os.PathLike, *, report:
 def load(directory: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """A dumped run: its records and report (None if it has none)."""
     path = Path(directory)
-    with open(path / "events.jsonl", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    report = json.loads((path / "report.json").read_text()) if (path / "report.json").exists() else None
+    if not (path / "events.jsonl").is_file():
+        raise ConfigError(f"{path} is not a run record: it has no events.jsonl")
+    records = []
+    with open(path / "events.jsonl", encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = parse(line)
+            if record is None:
+                raise ConfigError(f"{path / 'events.jsonl'} line {number} is not an event record")
+            records.append(record)
+    records.sort(key=_order)
+    report = None
+    if (path / "report.json").exists():
+        try:
+            report = json.loads((path / "report.json").read_text(errors="replace"))
+        except ValueError as err:
+            raise ConfigError(f"{path / 'report.json'} is not JSON: {err}") from err
+        if not isinstance(report, dict):
+            raise ConfigError(f"{path / 'report.json'} is not a report (a JSON object)")
     return records, report
