@@ -13,6 +13,8 @@ are vertical lines. Drawn on a ``Figure`` with the Agg canvas: pyplot and its ba
 """
 from __future__ import annotations
 
+import bisect
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -156,6 +158,7 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
     lost: set[int] = set()
     last_snapshot = None
     snap_xy: list[tuple[float, int]] = []
+    samples = _step_samples(records, t0)
 
     points: dict[tuple[str, str, float], list[tuple[float, float]]] = {}  # one artist per kind of mark
 
@@ -199,7 +202,7 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
             last_snapshot = r["snapshot_step"]
             tier = r.get("snapshot_tier")
             colour, marker = SNAPSHOT.get(tier, (REFUSED, "o"))
-            taken = _time_of_step(records, last_snapshot, r["wall"], t0)  # when its step ran, not when it was seen
+            taken = _time_of_step(samples, last_snapshot, x)  # when its step ran, not when it was seen
             point(taken, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
             snap_xy.append((x, last_snapshot))
     for (marker, colour, ms), xy in points.items():
@@ -211,15 +214,20 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
         legend["newest snapshot step"] = Line2D([], [], color=SNAP_STEP)
 
 
-def _time_of_step(records: list[dict[str, Any]], step: int, before: float, t0: float) -> float:
-    """When ``step`` was committed, interpolated between the step samples (progress, restores) seen up to
-    ``before``: the newest pair that brackets it (a rollback starts a new climb)."""
-    samples = [(r["wall"] - t0, r["step"]) for r in records if r["wall"] <= before and isinstance(r.get("step"), int)
-               and (r.get("kind") == "progress" or _timeline(r, "restored", "first_step"))]
-    for (x0, s0), (x1, s1) in zip(reversed(samples[:-1]), reversed(samples[1:])):
+def _step_samples(records: list[dict[str, Any]], t0: float) -> list[tuple[float, int]]:
+    """(seconds, committed step) of every step sample: progress records, restores and first steps."""
+    return [(r["wall"] - t0, r["step"]) for r in records if isinstance(r.get("step"), int)
+            and (r.get("kind") == "progress" or _timeline(r, "restored", "first_step"))]
+
+
+def _time_of_step(samples: list[tuple[float, int]], step: int, before: float) -> float:
+    """When ``step`` was committed, interpolated between the step samples seen up to ``before`` (seconds): the
+    newest pair that brackets it (a rollback starts a new climb)."""
+    seen = samples[:bisect.bisect_right(samples, (before, math.inf))]
+    for (x0, s0), (x1, s1) in zip(reversed(seen[:-1]), reversed(seen[1:])):
         if s0 <= step <= s1:
             return x0 if s1 == s0 else x0 + (x1 - x0) * (step - s0) / (s1 - s0)
-    return samples[0][0] if samples else before - t0
+    return seen[0][0] if seen else before
 
 
 def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[str, Any]) -> None:
