@@ -79,8 +79,8 @@ def _events(args: argparse.Namespace) -> int:
         wanted = set(args.kind.split(","))
         records = [r for r in records if r["kind"] in wanted]
     _print_records(records, args.json)
-    if not args.follow or not source.where.startswith("cluster"):
-        return 0
+    if not args.follow or not source.where.startswith("cluster") or any(r["kind"] == "closed" for r in source.records):
+        return 0  # nothing to follow: not asked, a record of a past run, or a job that closed already
     last = max(((r["wall"], r["writer"], r["seq"]) for r in source.records), default=None)
     deadline = time.monotonic() + args.follow_for if args.follow_for else None
     while deadline is None or time.monotonic() < deadline:

@@ -203,3 +203,32 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
     assert result.report.steps_committed == 40 and result.report.recoveries == 0
     assert max_abs_diff(result.state, reference.state) == 0.0
     events.delete(job)
+
+
+def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
+    """`elastic events --follow` before the job's stream exists waits for it, then prints its records until it
+    closes (the job's credential given explicitly, as an operator of another user would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from elastic.supervision.credential import new_token
+
+    job, token = f"iso-follow-{uuid.uuid4().hex[:6]}", new_token()
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "events", "--follow", "--follow-for", "90", "--job",
+                             job, "--token", token], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert "waiting for job" in proc.stderr.readline()  # blocks until the command waits
+        key = derive(token, "stream")
+        run = events.new_run(job, key=key)
+        events.EventStream(job, run, "supervisor", key=key).append("closed")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "run_started" in out and "closed" in out and "Traceback" not in err, (out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        events.delete(job)
