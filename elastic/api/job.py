@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 import runtime
 from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup, connect
+from elastic.control.cluster import ActorGroup, connect, job_token
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.control.controller import Controller, JobResult, StepCallback
 from elastic.placements.local import LocalPlacement
@@ -27,6 +27,7 @@ from elastic.errors import ConfigError, ElasticError
 from elastic.log import configure_logging, get_logger
 from elastic.supervision import events
 from elastic.api import orbax_io
+from elastic.supervision.credential import derive
 from elastic.supervision.events import EventStream
 from elastic.control.job_events import ClientEvents
 from elastic.supervision.membership import View
@@ -194,17 +195,19 @@ class ElasticJob:
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
         agents = None
+        token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
         if self._multi:
             from elastic.placements.processes import WorkerProcesses
 
-            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec())
-        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents)
+            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec(token))
+        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
                 from snapshot.keeper import KeeperTier
 
-                self._keepers = KeeperTier.attach(self.config.namespace) or KeeperTier(
-                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1).start()
+                keeper = derive(token, "keeper")
+                self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(
+                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1, credential=keeper).start()
             self._group.launch()
             if self._tiers is not None:
                 self._tiers.on_event = self._acct.timeline.add
@@ -230,14 +233,14 @@ class ElasticJob:
     def _last_completed(self) -> tuple[int, str] | None:
         return self._tiers.last_completed if self._tiers is not None else None
 
-    def _worker_spec(self) -> Any:
+    def _worker_spec(self, token: str) -> Any:
         from elastic.placements.worker import WorkerSpec
 
         hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
         return WorkerSpec(config=self.config, init_fn=self._init_fn, shardings_fn=self._shardings_fn,
                           mesh_fn=self._mesh_fn, init_from=None if self._init_from is None else str(self._init_from),
                           step_hooks=tuple(hooks), cache_dir=self._cache_dir,
-                          keepers=bool(self.config.tiers.keeper_every))
+                          keepers=bool(self.config.tiers.keeper_every), keeper_credential=derive(token, "keeper"))
 
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray

@@ -33,7 +33,7 @@ from elastic.supervision import credential
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect", "find_token", "read_token", "token_path"]
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect", "find_token", "job_token", "read_token", "token_path"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -135,6 +135,16 @@ def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: 
         raise AccessError(f"{what} refused: no credential of this job here; {hint}")
 
 
+def job_token(config: ElasticConfig) -> str:
+    """The credential a client of job ``config`` runs under: its predecessor's when the job's supervisor is still
+    there (a take-over; :func:`find_token`), else a new one. A take-over without it is refused at launch."""
+    try:
+        ray.get_actor(SUPERVISOR_NAME, namespace=config.namespace)
+    except ValueError:
+        return credential.new_token()
+    return find_token(config.job_name) or credential.new_token()
+
+
 def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
     """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
     try:
@@ -171,7 +181,7 @@ class ActorGroup:
     actors, or multi-process mode's worker processes, which are their slices' agents)."""
 
     def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None,
-                 agents: AgentFactory | None = None) -> None:
+                 agents: AgentFactory | None = None, token: str | None = None) -> None:
         self._config = config
         self._factory = agents or SliceAgents(config)
         self._agent_nodes = dict(agent_nodes or {})
@@ -189,7 +199,7 @@ class ActorGroup:
         self.supervisor: Any = None  # a Credentialed handle: every call carries the job's token
         self._for_agents: Any = None  # the same actor, for the agents: their credential registers and beats only
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
-        self.token = credential.new_token()  # the job's credential (a successor client takes its predecessor's)
+        self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
 
     def launch(self) -> None:
         """Start the supervisor and every agent; return once all registered and judging began."""
