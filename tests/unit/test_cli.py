@@ -57,7 +57,7 @@ def test_inject_without_yes_and_no_terminal_is_refused_in_one_line():
     started = time.monotonic()
     proc = elastic("inject", "kill", "--job", "x", "--slice", "1")
     assert_clear(proc, 2, "--yes", "terminal")
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # ~1.3 s on an idle machine; the bound leaves room for a loaded one
 
 
 def test_usage_errors_exit_2_and_unknown_flags_say_so():
