@@ -17,6 +17,11 @@ the client saw fail, is refused for good: only a new incarnation brings its slic
 ``Policy.respawn_every_s`` set, the client's :class:`~elastic.control.cluster.ActorGroup` starts that new incarnation
 for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
 ``close`` ends supervision for good (the job is closing): it stops judging and writing events.
+
+Every call takes ``token=``: the job's credential (:mod:`elastic.supervision.credential`), or for registrations,
+heartbeats and views its agents' derived one. Only their SHA-256 digests are kept; a refused call raises
+:class:`~elastic.errors.AccessError` and is written to the stream. The records it writes are signed under the
+job's stream key, and a restarted supervisor replays only those that verify.
 """
 from __future__ import annotations
 
