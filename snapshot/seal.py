@@ -56,4 +56,4 @@ def seal(image: HostImage, key: str) -> HostImage:
 
 def sealed(image: HostImage, key: str) -> bool:
     """True if ``image`` carries a MAC and it is right under ``key``."""
-    return isinstance(image.mac, str) and hmac.compare_digest(image.mac, _mac(image, key))
+    return isinstance(image.mac, str) and hmac.compare_digest(image.mac.encode(), _mac(image, key).encode())

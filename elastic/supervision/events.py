@@ -68,7 +68,7 @@ def verify(records: Iterable[dict[str, Any]], key: str) -> tuple[list[dict[str, 
             continue
         mac = r.get("mac")
         body = {k: v for k, v in r.items() if k != "mac"}
-        ok = isinstance(mac, str) and hmac.compare_digest(mac, _mac(body, key))
+        ok = isinstance(mac, str) and hmac.compare_digest(mac.encode(), _mac(body, key).encode())  # any text: bytes
         (good if ok else bad).append(r)
     return good, bad
 
