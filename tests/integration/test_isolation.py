@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -105,7 +106,12 @@ def test_forged_records_are_not_replayed_and_not_shown(two_jobs, monkeypatch, ca
           decision="GiveUp")
     forge(job, run, "supervisor", 9_001, kind="refused", slice=2, incarnation=0, cause="agent died", epoch=1,
           mac="0" * 64)
+    before = ray.get(mine.supervisor.usage.remote(), timeout=30)["pid"]
     mine.kill_supervisor(no_restart=False)  # Ray restarts it: it replays its records
+    deadline = time.monotonic() + 60  # ray.kill returns before the process is gone: wait for the new one
+    while ray.get(mine.supervisor.usage.remote(), timeout=60)["pid"] == before:
+        assert time.monotonic() < deadline, "the supervisor was not restarted"
+        time.sleep(0.05)  # a bounded poll of the actor (Ray says nothing when it restarts one)
     view = ray.get(mine.supervisor.wait_for_epoch.remote(0, 1.0), timeout=60)
     assert view.epoch == 1 and view.active == frozenset(range(4)) and view.gave_up is None, view
     refusal = [r for r in events.read(job, run) if r["kind"] == "forged_records_refused"]
