@@ -16,13 +16,13 @@ except _metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installe
     __version__ = "0+unknown"
 
 __all__ = (
-    "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
+    "AccessError", "ClusterError", "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
     "Policy", "Processes", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "SupervisorLostError", "Tiers", "Trainer", "View", "decide",
     "optax_step",
 )
 
 _WHERE = {
-    "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
+    "AccessError": "errors", "ClusterError": "errors", "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
     "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Processes": "config", "Tiers": "config", "ElasticJob": "api.job",
     "JobResult": "api.job", "Faults": "chaos.faults", "Run": "api.run", "Report": "control.report",
     "Trainer": "api.trainer", "OptaxStep": "api.trainer", "optax_step": "api.trainer", "View": "supervision.membership",

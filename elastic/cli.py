@@ -95,12 +95,14 @@ def _demo(args: argparse.Namespace) -> int:
         out = run_client_crash(spec, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
     else:
         out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
-    print_timeline(out["timeline"], sys.stderr)
+    if args.verbose:
+        print_timeline(out["timeline"], sys.stderr)
     if args.json:
         print(json.dumps(out), file=result, flush=True)
     else:
-        summary = {k: v for k, v in out.items() if k != "timeline"}
-        print(json.dumps(summary, indent=2), file=result, flush=True)
+        from elastic.ops.summary import summary_lines
+
+        print("\n".join(summary_lines(out)), file=result, flush=True)
     return 0
 
 
@@ -139,8 +141,9 @@ def _cleanup(args: argparse.Namespace) -> int:
     from elastic.control.cluster import cleanup, connect
 
     connect()
-    killed = cleanup(args.job_name, purge_events=args.purge_events)
-    print(json.dumps({"job_name": args.job_name, "killed": killed, "events_purged": args.purge_events}), flush=True)
+    killed = cleanup(args.job, purge_events=args.purge_events, token=args.token)
+    print(json.dumps({"job": args.job, "job_name": args.job, "killed": killed, "events_purged": args.purge_events}),
+          flush=True)
     return 0
 
 
@@ -186,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "driver of the same job name resumes from the keepers")
     demo.add_argument("--kill-client-at", type=int, default=None,
                       help="client-crash: the step the client dies at (default 75; multi-process: 21)")
-    demo.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
+    demo.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout (progress on "
+                                                          "stderr); without it, a short summary")
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
     demo.add_argument("--steps", type=int, default=None, help="default 150 (multi-process: see --scenario)")
     demo.add_argument("--slices", type=int, default=4)
@@ -196,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")
     demo.add_argument("--snapshot-every", type=int, default=None, help="default 10 (multi-process: see --scenario)")
     demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
+    demo.add_argument("-v", "--verbose", action="store_true",
+                      help="structured events, Ray's own messages and the event timeline on stderr")
     demo.set_defaults(func=_demo)
     chaos = sub.add_parser("chaos", help="run seeded fault schedules against a training loop; check every promise")
     chaos.add_argument("--seed", type=int, default=0)
@@ -214,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
     chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
-    clean.add_argument("--job-name", required=True)
+    clean.add_argument("--job", "--job-name", dest="job", required=True, help="the job's name")
+    clean.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
+                                       "for this user under $ELASTIC_HOME/tokens)")
+    clean.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     clean.add_argument("--purge-events", action="store_true", help="also delete the job's event stream (all runs)")
     clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")
     clean.set_defaults(func=_cleanup)
@@ -240,14 +248,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit status 0 on success, 2 for a usage or configuration error, 1 for a runtime error (a
+    refusal, an unreachable cluster, anything unexpected), 130 when interrupted: each a line or two on stderr, the
+    traceback only with ``-v``. A pipe closed early (``elastic status | head -1``) ends quietly."""
     args = build_parser().parse_args(argv)
-    from elastic.errors import ElasticError
+    from elastic.errors import ConfigError, ElasticError
 
+    verbose = bool(getattr(args, "verbose", False))
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print("elastic: interrupted", file=sys.stderr)
+        return 130
+    except ConfigError as err:
+        return _fail(err, 2, verbose)
     except ElasticError as err:
-        print(f"elastic: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(err, 1, verbose)
+    except Exception as err:  # noqa: BLE001 - one line, not a traceback, unless -v
+        return _fail(err, 1, verbose, unexpected=True)
+
+
+def _fail(err: BaseException, code: int, verbose: bool, *, unexpected: bool = False) -> int:
+    if verbose:
+        import traceback
+
+        traceback.print_exception(err, file=sys.stderr)
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    what = f"{type(err).__name__}: {text}" if unexpected else text
+    print(f"elastic: error: {what}", file=sys.stderr)
+    if unexpected and not verbose:
+        print("elastic: run again with -v for the traceback", file=sys.stderr)
+    return code
+
+
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away: nothing more is written there (not even at exit's flush)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

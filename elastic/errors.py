@@ -6,8 +6,8 @@ crossing a Ray actor boundary.
 """
 from __future__ import annotations
 
-__all__ = ["ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError", "SupervisorError",
-           "SupervisorLostError"]
+__all__ = ["AccessError", "ClusterError", "ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError",
+           "SupervisorError", "SupervisorLostError"]
 
 
 class ElasticError(Exception):
@@ -48,3 +48,12 @@ class SupervisorError(ElasticError):
 class SupervisorLostError(SupervisorError):
     """The supervisor is gone for good (killed, or unreachable past a bound): the job cannot be supervised
     any more and ends."""
+
+
+class AccessError(SupervisorError, PermissionError):
+    """An operation on a job's supervisor, keepers or stream without that job's credential (or with another's)."""
+
+
+class ClusterError(ElasticError, ConnectionError):
+    """The Ray cluster could not be joined (unreachable, or it asks for a token this process lacks); the message
+    says what to set."""

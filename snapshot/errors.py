@@ -1,7 +1,7 @@
 """Errors of the snapshot data plane."""
 from __future__ import annotations
 
-__all__ = ["NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError", "SnapshotFailedError",
+__all__ = ["KeeperAccessError", "NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError", "SnapshotFailedError",
            "SnapshotStructureError", "SnapshotUnavailableError"]
 
 
@@ -60,3 +60,7 @@ class SnapshotFailedError(SnapshotError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.step, self.cause))
+
+
+class KeeperAccessError(SnapshotError, PermissionError):
+    """A call on a keeper without the credential of the job it belongs to."""

@@ -76,6 +76,7 @@ class HostImage:
     leaves: tuple[LeafImage, ...]
     meta: dict[str, Any] = field(default_factory=dict)
     meta_checksum: int = 0
+    mac: str | None = None  # set by snapshot.seal under the job's image key (keeper tier)
 
     @property
     def nbytes(self) -> int:

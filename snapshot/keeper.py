@@ -4,12 +4,20 @@ Each :class:`Keeper` holds the newest ``keep`` images of one job in its own memo
 the images survive the process that sent them). :class:`KeeperTier` is the client: it places keepers on
 other nodes than its own, pushes images to all of them from a background thread (coalescing to the
 newest), and reads back the newest intact image from whichever keepers are still alive.
+
+A job's keepers answer only calls carrying its keeper credential (they keep its SHA-256 digest, given at
+creation), and the images the client pushes are sealed under its image key (:mod:`snapshot.seal`), which no
+keeper holds: an image that fails the seal is refused on restore (``on_refused`` is told) and the next keeper's,
+or the next tier, is used. Both are optional (``None``: an open keeper, unsealed images; for tests and tools).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import hmac
 import threading
+from collections.abc import Callable
 import time
 from typing import Any, cast
 
@@ -18,8 +26,9 @@ import ray
 import structlog
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from snapshot.errors import SnapshotCorruptError, SnapshotStructureError
+from snapshot.errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureError
 from snapshot.image import HostImage, Index, assemble
+from snapshot.seal import seal, sealed
 
 __all__ = ["Keeper", "KeeperTier"]
 
@@ -49,16 +58,18 @@ class Keeper:
     step at or below a held one is a rollback: the held generations at or after that step are dropped.
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 1, access: str | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self._keep = keep
+        self._access = access  # SHA-256 hex digest of the job's keeper credential (None: open)
         self._images: list[HostImage] = []  # ascending step
         self._parts: dict[int, dict[int, HostImage]] = {}  # step -> part -> image (multi-process mode)
         self._lock = threading.Lock()
 
-    def put(self, image: HostImage) -> int:
+    def put(self, image: HostImage, token: str | None = None) -> int:
         """Store a private copy of ``image``; return the bytes held afterwards."""
+        self._allow(token, "put")
         own = _private_copy(image)
         with self._lock:
             dropped = [g.step for g in self._images if g.step >= own.step]
@@ -68,12 +79,13 @@ class Keeper:
                 log.info("keeper_rollback", step=own.step, dropped=dropped)
             return sum(g.nbytes for g in self._images)
 
-    def put_part(self, image: HostImage, part: int) -> int:
+    def put_part(self, image: HostImage, part: int, token: str | None = None) -> int:
         """Store a private copy of ``image`` as part ``part`` of its step (multi-process mode: each worker sends
         the pieces it holds, and a step is whole once its parts cover every leaf). A part of a step below one the
         same part holds is a rollback: that part's later steps are dropped (other parts arrive in their own order).
         Steps older than the ``keep`` newest whole ones go.
         Returns the bytes held afterwards."""
+        self._allow(token, "put_part")
         own = _private_copy(image)
         with self._lock:
             for step in [s for s in self._parts if s > own.step]:  # this part rolled back: its future is void
@@ -87,9 +99,10 @@ class Keeper:
                 self._parts = {s: parts for s, parts in self._parts.items() if s >= floor}
             return self._held()
 
-    def whole_steps(self) -> list[int]:
+    def whole_steps(self, token: str | None = None) -> list[int]:
         """The steps whose parts cover every leaf of the state, ascending (intact parts only: a part that fails
         ``verify()`` is dropped and logged)."""
+        self._allow(token, "whole_steps")
         with self._lock:
             held = {s: dict(parts) for s, parts in self._parts.items()}
         whole = []
@@ -106,8 +119,9 @@ class Keeper:
                     whole.append(step)
         return whole
 
-    def region(self, step: int, leaf: int, index: Index) -> np.ndarray | None:
+    def region(self, step: int, leaf: int, index: Index, token: str | None = None) -> np.ndarray | None:
         """Region ``index`` of leaf ``leaf`` at ``step``, cut from the parts (None when they do not cover it)."""
+        self._allow(token, "region")
         with self._lock:
             parts = list(self._parts.get(step, {}).values())
         pieces = [(p.index, p.data) for image in parts for p in image.leaves[leaf].pieces]
@@ -118,18 +132,28 @@ class Keeper:
         except SnapshotStructureError:
             return None
 
-    def part_meta(self, step: int) -> dict[str, Any] | None:
+    def part_meta(self, step: int, token: str | None = None) -> dict[str, Any] | None:
         """The controller state of ``step`` (from any of its parts), or None."""
+        self._allow(token, "part_meta")
         with self._lock:
             parts = list(self._parts.get(step, {}).values())
         return copy.deepcopy(parts[0].meta) if parts else None
+
+    def _allow(self, token: str | None, call: str) -> None:
+        if self._access is None:
+            return
+        if isinstance(token, str) and hmac.compare_digest(hashlib.sha256(token.encode()).hexdigest(), self._access):
+            return
+        log.warning("keeper_call_refused", call=call)
+        raise KeeperAccessError(f"keeper {call} refused: the call does not carry this job's keeper credential")
 
     def _held(self) -> int:
         return sum(g.nbytes for g in self._images) + sum(i.nbytes for parts in self._parts.values()
                                                           for i in parts.values())
 
-    def latest(self) -> HostImage | None:
+    def latest(self, token: str | None = None) -> HostImage | None:
         """The newest held image that passes ``verify()``; corrupt ones are dropped and logged."""
+        self._allow(token, "latest")
         with self._lock:
             candidates = list(reversed(self._images))
         for image in candidates:
@@ -142,21 +166,25 @@ class Keeper:
                     self._images = [g for g in self._images if g is not image]
         return None
 
-    def steps(self) -> list[int]:
+    def steps(self, token: str | None = None) -> list[int]:
+        self._allow(token, "steps")
         with self._lock:
             return [g.step for g in self._images]
 
-    def held_bytes(self) -> int:
+    def held_bytes(self, token: str | None = None) -> int:
+        self._allow(token, "held_bytes")
         with self._lock:
             return self._held()
 
-    def drop(self) -> None:
+    def drop(self, token: str | None = None) -> None:
+        self._allow(token, "drop")
         with self._lock:
             self._images = []
             self._parts = {}
 
-    def node_id(self) -> str:
+    def node_id(self, token: str | None = None) -> str:
         """The Ray node this keeper lives on."""
+        self._allow(token, "node_id")
         return ray.get_runtime_context().get_node_id()
 
 
@@ -188,11 +216,13 @@ class KeeperTier:
     """
 
     def __init__(self, namespace: str, *, num_keepers: int = 2, keep: int = 1, every: int = 1,
-                 avoid_node: str | None = None, timeout_s: float = 60.0) -> None:
+                 avoid_node: str | None = None, timeout_s: float = 60.0, credential: str | None = None,
+                 image_key: str | None = None, on_refused: Callable[[str, int, str], None] | None = None) -> None:
         if num_keepers < 1 or keep < 1 or every < 1:
             raise ValueError(f"num_keepers, keep and every must be at least 1, got {num_keepers}, {keep}, {every}")
         self.namespace, self._num, self._keep, self._every = namespace, num_keepers, keep, every
         self._avoid_node, self._timeout_s = avoid_node, timeout_s
+        self._credential, self._image_key, self._on_refused = credential, image_key, on_refused
         self._keepers: dict[str, Any] = {}  # name -> handle; a keeper that died is removed
         self._cond = threading.Condition()
         self._pending: HostImage | None = None
@@ -211,12 +241,13 @@ class KeeperTier:
         """
         avoid = self._avoid_node or ray.get_runtime_context().get_node_id()
         nodes = _placements(self._num, avoid)
+        access = None if self._credential is None else hashlib.sha256(self._credential.encode()).hexdigest()
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
             self._keepers[name] = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
                 name=name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self._keep)
+            ).remote(self._keep, access)
         where = self.nodes(self._timeout_s)  # waits until placed; a keeper whose node died is forgotten
         log.info("keepers_started", namespace=self.namespace, nodes=where)
         if len(where) < len(nodes):
@@ -226,14 +257,17 @@ class KeeperTier:
         return self._run()
 
     @classmethod
-    def attach(cls, namespace: str, *, every: int = 1, timeout_s: float = 60.0) -> KeeperTier | None:
+    def attach(cls, namespace: str, *, every: int = 1, timeout_s: float = 60.0, credential: str | None = None,
+               image_key: str | None = None, on_refused: Callable[[str, int, str], None] | None = None
+               ) -> KeeperTier | None:
         """A client of the keepers already running in ``namespace`` (e.g. left by a crashed client), or None.
 
         Creates no actor; pushes from it go to the keepers found.
         """
         names = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
                        if e["namespace"] == namespace and e["name"].startswith(PREFIX))
-        tier = cls(namespace, num_keepers=max(1, len(names)), every=every, timeout_s=timeout_s)
+        tier = cls(namespace, num_keepers=max(1, len(names)), every=every, timeout_s=timeout_s, credential=credential,
+                   image_key=image_key, on_refused=on_refused)
         for name in names:
             try:
                 tier._keepers[name] = ray.get_actor(name, namespace=namespace)
@@ -258,7 +292,8 @@ class KeeperTier:
             self._count("keeper_push_failures")
             return
         ref = ray.put(image)
-        for name, result in self._collect({n: k.put_part.remote(ref, part) for n, k in calls.items()},
+        for name, result in self._collect({n: k.put_part.remote(ref, part, token=self._credential)
+                                           for n, k in calls.items()},
                                           self._timeout_s).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
@@ -268,7 +303,8 @@ class KeeperTier:
     def whole_steps(self, timeout: float = 60.0) -> dict[int, str]:
         """The newest whole step (all parts present, intact) each live keeper holds: step -> a keeper's name,
         newest step first."""
-        got = self._collect({n: k.whole_steps.remote() for n, k in dict(self._keepers).items()}, timeout)
+        got = self._collect({n: k.whole_steps.remote(token=self._credential) for n, k in dict(self._keepers).items()},
+                            timeout)
         found: dict[int, str] = {}
         for name, steps in got.items():
             for step in steps if isinstance(steps, list) else []:
@@ -279,14 +315,14 @@ class KeeperTier:
         keeper = self._keepers.get(name)
         if keeper is None:
             return None
-        got = self._collect({name: keeper.region.remote(step, leaf, index)}, timeout)[name]
+        got = self._collect({name: keeper.region.remote(step, leaf, index, token=self._credential)}, timeout)[name]
         return got if isinstance(got, np.ndarray) else None
 
     def part_meta(self, name: str, step: int, timeout: float = 60.0) -> dict[str, Any] | None:
         keeper = self._keepers.get(name)
         if keeper is None:
             return None
-        got = self._collect({name: keeper.part_meta.remote(step)}, timeout)[name]
+        got = self._collect({name: keeper.part_meta.remote(step, token=self._credential)}, timeout)[name]
         return got if isinstance(got, dict) else None
 
     def push(self, image: HostImage) -> bool:
@@ -341,8 +377,10 @@ class KeeperTier:
                 log.warning("keeper_none_left", namespace=self.namespace, step=image.step)
             self._none_left = True
             return
+        if self._image_key is not None:
+            image = seal(image, self._image_key)
         ref = ray.put(image)  # once, for all keepers
-        calls = {name: k.put.remote(ref) for name, k in calls.items()}
+        calls = {name: k.put.remote(ref, token=self._credential) for name, k in calls.items()}
         for name, result in self._collect(calls, self._timeout_s).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
@@ -376,26 +414,35 @@ class KeeperTier:
         Asks every keeper for its steps, then fetches from the one with the newest, falling back to the next.
         """
         deadline = time.monotonic() + timeout
-        held = self._collect({n: k.steps.remote() for n, k in dict(self._keepers).items()}, timeout)
+        held = self._collect({n: k.steps.remote(token=self._credential) for n, k in dict(self._keepers).items()},
+                             timeout)
         tops = sorted(((max(s), n) for n, s in held.items() if isinstance(s, list) and s), reverse=True)
         best: HostImage | None = None
         for top, name in tops:
             if (best is not None and best.step >= top) or name not in self._keepers:
                 continue
-            got = self._collect({name: self._keepers[name].latest.remote()}, max(0.0, deadline - time.monotonic()))
+            got = self._collect({name: self._keepers[name].latest.remote(token=self._credential)},
+                                max(0.0, deadline - time.monotonic()))
             image = got[name]
+            if isinstance(image, HostImage) and self._image_key is not None and not sealed(image, self._image_key):
+                log.warning("keeper_image_refused", keeper=name, step=image.step)
+                if self._on_refused is not None:
+                    self._on_refused(name, image.step, "its seal does not verify under the job's image key")
+                continue  # the next keeper's image, or the next tier
             if isinstance(image, HostImage) and (best is None or image.step > best.step):
                 best = image
         return None if best is None else dataclasses.replace(best, meta=copy.deepcopy(best.meta))  # see _private_copy
 
     def nodes(self, timeout: float = 10.0) -> dict[str, str]:
         """The node id of each keeper that answers, by name."""
-        got = self._collect({n: k.node_id.remote() for n, k in dict(self._keepers).items()}, timeout)
+        got = self._collect({n: k.node_id.remote(token=self._credential) for n, k in dict(self._keepers).items()},
+                            timeout)
         return {n: node for n, node in got.items() if isinstance(node, str)}
 
     def stats(self, timeout: float = 10.0) -> dict[str, int]:
         """Counters plus ``keeper_bytes`` (summed over the keepers answering) and ``keepers_alive``."""
-        held = self._collect({n: k.held_bytes.remote() for n, k in dict(self._keepers).items()}, timeout)
+        held = self._collect({n: k.held_bytes.remote(token=self._credential)
+                              for n, k in dict(self._keepers).items()}, timeout)
         alive = [b for b in held.values() if isinstance(b, int)]
         with self._cond:
             counters = dict(self._stats)

@@ -58,6 +58,7 @@ class Snapshotter:
         self._generations: list[Generation] = []
         self._slots: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
         self._cv = threading.Condition()
+        self._skips_said: set[tuple[int, int | None, str]] = set()  # (request, slice, cause) logged: once each
         self._pending: StagedRequest | None = None
         self._in_flight: StagedRequest | None = None
         self._error: SnapshotFailedError | None = None
@@ -213,7 +214,12 @@ class Snapshotter:
                         self._guard([cp.dest])
                     except Exception as err:  # noqa: BLE001 - that slice is gone: the piece keeps its other copies
                         lost = err
-                        log.warning("snapshot_copy_skipped", step=req.step, leaf=i, slice=cp.slice, error=str(err)[:120])
+                        said = (req.number, cp.slice, type(err).__name__)
+                        with self._cv:
+                            first = said not in self._skips_said
+                            self._skips_said.add(said)
+                        if first:  # one line per lost slice and cause, not one per leaf
+                            log.warning("snapshot_copy_skipped", step=req.step, slice=cp.slice, error=str(err)[:120])
                         continue
                 if not copies:  # one checksum per piece, taken from its first copy as it is written
                     made, digest = engine.write_checksummed(staged, cp.dest, cp.slice, reuse.get((i, j, k)))

@@ -8,7 +8,6 @@ same process.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ from jax.sharding import Mesh
 
 import runtime
 from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup, connect
+from elastic.control.cluster import ActorGroup, connect, job_token
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.control.controller import Controller, JobResult, StepCallback
 from elastic.placements.local import LocalPlacement
@@ -28,6 +27,7 @@ from elastic.errors import ConfigError, ElasticError
 from elastic.log import configure_logging, get_logger
 from elastic.supervision import events
 from elastic.api import orbax_io
+from elastic.supervision.credential import derive
 from elastic.supervision.events import EventStream
 from elastic.control.job_events import ClientEvents
 from elastic.supervision.membership import View
@@ -69,7 +69,9 @@ def _use_compilation_cache(job_name: str) -> str:
     workers of a multi-process job and its standby group share it)."""
     if jax.config.jax_compilation_cache_dir:
         return str(jax.config.jax_compilation_cache_dir)
-    directory = os.path.join(tempfile.gettempdir(), "elastic-jax-cache", job_name)
+    from elastic.control.private import private_temp
+
+    directory = str(private_temp("jax-cache", job_name))  # 0700, this user's: not a path another could plant
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
@@ -202,25 +204,29 @@ class ElasticJob:
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
         agents = None
+        token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
         if self._multi:
             from elastic.placements.processes import WorkerProcesses
 
-            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec())
-        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents)
+            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec(token))
+        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
                 from snapshot.keeper import KeeperTier
 
-                self._keepers = KeeperTier.attach(self.config.namespace) or KeeperTier(
-                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1).start()
+                keeper = derive(token, "keeper")
+                self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(
+                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1, credential=keeper).start()
             self._group.launch()
             if self._tiers is not None:
-                self._tiers.start()
+                self._tiers.on_event = self._acct.timeline.add
+                self._tiers.start(token=self._group.token)
         except BaseException:
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
-            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}")
+            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}",
+                                 key=self._group.stream_key)
             self._client_events = ClientEvents(stream, self._last_completed).attach(self._acct)
         self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
                                     lost_after_s=supervisor_lost_after_s(self.config))
@@ -236,7 +242,7 @@ class ElasticJob:
     def _last_completed(self) -> tuple[int, str] | None:
         return self._tiers.last_completed if self._tiers is not None else None
 
-    def _worker_spec(self) -> Any:
+    def _worker_spec(self, token: str) -> Any:
         from elastic.placements.worker import WorkerSpec
 
         hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
@@ -244,7 +250,7 @@ class ElasticJob:
                           mesh_fn=self._mesh_fn, init_from=None if self._init_from is None else str(self._init_from),
                           init_step=self.init_step,
                           step_hooks=tuple(hooks), cache_dir=self._cache_dir,
-                          keepers=bool(self.config.tiers.keeper_every))
+                          keepers=bool(self.config.tiers.keeper_every), keeper_credential=derive(token, "keeper"))
 
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
@@ -274,8 +280,10 @@ class ElasticJob:
         if self._record_dir is None or self._group is None or self._group.run is None:
             return
         try:
-            records = events.read(self.config.job_name, self._group.run)
-            where = Path(self._record_dir) / self.config.job_name / self._group.run
+            from elastic.control.private import private_dir
+
+            records, _ = events.verify(events.read(self.config.job_name, self._group.run), self._group.stream_key)
+            where = private_dir(Path(self._record_dir) / self.config.job_name) / self._group.run  # 0700: this user's
             events.dump(records, where, report=self.report.to_dict())
         except Exception as err:  # noqa: BLE001 - a record is a convenience: the job's result stands
             self._log.warning("record_failed", error=repr(err))

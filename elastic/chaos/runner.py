@@ -30,7 +30,6 @@ from elastic.control.cluster import cleanup, connect
 from elastic.config import ElasticConfig
 from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
 from elastic.chaos.replay import replay, trail_schedule
-from snapshot.keeper import KeeperTier
 from elastic.api.job import ElasticJob
 from elastic.chaos.invariants import RunRecord, check
 from elastic.log import get_logger
@@ -105,7 +104,7 @@ def _snapshot_end(job: ElasticJob) -> dict[str, Any]:
         extra = job.report.extra
         latest = extra.get("snapshot_latest_step")
         if latest is None and job.config.tiers.keeper_every:  # the workers gone (a give-up): what the keepers hold
-            keepers = KeeperTier.attach(job.config.namespace, timeout_s=10.0)
+            keepers = job._keepers  # noqa: SLF001 - the job's own keeper client (it holds the keeper credential)
             whole = keepers.whole_steps(timeout=10.0) if keepers is not None else {}
             latest = max(whole, default=None)
         return {"latest": latest, "dropped": extra.get("snapshots_dropped")}

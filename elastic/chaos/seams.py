@@ -87,7 +87,7 @@ class Seams:
             for_good = fault.kind == "supervisor_lost"
             self._job.timeline.add(f"inject_{fault.kind}", step=step)
             self._job.report.failures_injected += 1
-            ray.kill(self._job.group.supervisor, no_restart=for_good)  # restartable: Ray starts it again
+            self._job.group.kill_supervisor(no_restart=for_good)  # restartable: Ray starts it again
         elif fault.kind == "straggler":
             self._job.timeline.add("inject_straggler", step=step, seconds=fault.seconds)
             time.sleep(fault.seconds or 0.0)

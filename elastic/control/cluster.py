@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import sys
 import threading
 import time
@@ -27,11 +26,14 @@ from elastic import quiet
 from elastic.supervision import events
 from elastic.supervision.agent import SliceAgent
 from elastic.config import ElasticConfig
-from elastic.errors import SupervisorError
+from elastic.control.private import elastic_home, write_private
+from elastic.errors import AccessError, ElasticError, SupervisorError
 from elastic.log import get_logger
+from elastic.supervision import credential
+from elastic.supervision.credential import Credentialed
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect"]
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect", "find_token", "job_token", "read_token", "token_path"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -41,6 +43,10 @@ def connect(address: str | None = None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
     quiet.route_ray_loggers()
+    if address and address != "auto" and "://" not in address.removeprefix("gcs://"):
+        from elastic.control.reach import probe
+
+        probe(address)  # a clear ClusterError within seconds, not ray.init's 20-40 s of retries
     with quiet.starting_ray():
         if address:
             ray.init(address=address, **common)
@@ -72,17 +78,24 @@ def _start_reaper(session_dir: str) -> None:
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
 
 
-def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = False) -> list[str]:
+def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = False,
+            token: str | None = None) -> list[str]:
     """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
 
     The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
     ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
     supervisor is closed first, so it writes no event about the agents' deaths. ``purge_events``: also
     delete the job's event stream (every run). Returns the names of the actors killed.
+
+    Only with the job's credential (``token``, else :func:`find_token`): a live supervisor must accept it (its
+    refusal is an event in its stream), and without one the job's stream must verify under it; otherwise
+    :class:`~elastic.errors.AccessError` and nothing is touched.
     """
+    token = find_token(job_name, token)
     namespace = ElasticConfig(job_name=job_name).namespace
     names = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
              if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))]
+    _authorize_cleanup(job_name, namespace, token, names, purge_events)
     killed = []
     for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
         try:
@@ -90,7 +103,7 @@ def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = F
         except ValueError:  # gone meanwhile
             continue
         if name == SUPERVISOR_NAME:
-            _close_supervisor(actor, job_name, read_token(job_name))
+            _close_supervisor(actor, job_name, token)
         ray.kill(actor, no_restart=True)
         killed.append(name)
     if purge_events:
@@ -98,10 +111,44 @@ def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = F
     return sorted(killed)
 
 
+def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: list[str], purge: bool) -> None:
+    """``AccessError`` unless ``token`` is job ``job_name``'s credential, as its supervisor (if alive) or its
+    event stream's signatures (if it has one) tell; a job with neither has nothing to protect."""
+    what = f"cleanup of job {job_name!r}"
+    hint = ("pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
+            "its own user")
+    if SUPERVISOR_NAME in names:
+        try:
+            supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+            ray.get(supervisor.run_id.remote(token=token), timeout=10)
+            return
+        except AccessError as err:
+            raise AccessError(f"{what} refused: the job's supervisor does not accept this credential; {hint}") from err
+        except Exception:  # noqa: BLE001 - a dead or hung supervisor: judged by the stream below
+            pass
+    if not names and not purge:
+        return
+    signed = [r for r in events.read(job_name, writers=["job"]) if r.get("kind") == "run_started"]
+    if not signed:
+        return  # no stream of this job: nothing of its own to protect but leftover actors
+    if token is None or not events.verify(signed, credential.derive(token, "stream"))[0]:
+        raise AccessError(f"{what} refused: no credential of this job here; {hint}")
+
+
+def job_token(config: ElasticConfig) -> str:
+    """The credential a client of job ``config`` runs under: its predecessor's when the job's supervisor is still
+    there (a take-over; :func:`find_token`), else a new one. A take-over without it is refused at launch."""
+    try:
+        ray.get_actor(SUPERVISOR_NAME, namespace=config.namespace)
+    except ValueError:
+        return credential.new_token()
+    return find_token(config.job_name) or credential.new_token()
+
+
 def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
     """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
     try:
-        ray.get(supervisor.close.remote(token), timeout=timeout_s)
+        ray.get(supervisor.close.remote(token=token), timeout=timeout_s)
     except Exception as err:  # noqa: BLE001 - it is killed next in any case
         get_logger("elastic.control.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
@@ -134,7 +181,7 @@ class ActorGroup:
     actors, or multi-process mode's worker processes, which are their slices' agents)."""
 
     def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None,
-                 agents: AgentFactory | None = None) -> None:
+                 agents: AgentFactory | None = None, token: str | None = None) -> None:
         self._config = config
         self._factory = agents or SliceAgents(config)
         self._agent_nodes = dict(agent_nodes or {})
@@ -149,9 +196,10 @@ class ActorGroup:
         self._respawner: threading.Thread | None = None
         self.respawns: list[tuple[int, int]] = []  # (slice, incarnation) the respawner started, in order
         self._log = get_logger("elastic.control.cluster", job=config.job_name)
-        self.supervisor: Any = None
+        self.supervisor: Any = None  # a Credentialed handle: every call carries the job's token
+        self._for_agents: Any = None  # the same actor, for the agents: their credential registers and beats only
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
-        self.token = secrets.token_hex(16)  # the job's secret: the supervisor takes commands carrying it only
+        self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
 
     def launch(self) -> None:
         """Start the supervisor and every agent; return once all registered and judging began."""
@@ -162,13 +210,15 @@ class ActorGroup:
             pass
         else:
             self._take_over(existing)
-        self.run = self.run or events.new_run(cfg.job_name)
+        self.run = self.run or events.new_run(cfg.job_name, key=self.stream_key)
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.supervisor = Supervisor.options(
+        handle = Supervisor.options(
             name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
         ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
+        self.supervisor = Credentialed(handle, self.token)
+        self._for_agents = Credentialed(handle, credential.derive(self.token, "agent"))  # registers and beats only
         write_token(cfg.job_name, self.token)
         for index in range(cfg.num_slices):
             self.spawn_agent(index, wait=False)
@@ -187,19 +237,35 @@ class ActorGroup:
                                                daemon=True)
             self._respawner.start()
 
+    @property
+    def stream_key(self) -> str:
+        """The key the job's event stream records are signed under."""
+        return credential.derive(self.token, "stream")
+
     def _take_over(self, existing: Any) -> None:
         """Another client's supervisor runs for this job: take the job over if that client is gone (its
-        supervisor and agents are replaced, its keepers kept), refuse if it is alive."""
+        supervisor and agents are replaced, its keepers kept), refuse if it is alive, or if this process does not
+        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user)."""
         cfg = self._config
+        token = find_token(cfg.job_name)
+        if token is None:
+            raise AccessError(f"a supervisor for job {cfg.job_name!r} runs and this process holds no credential for "
+                              "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN")
+        self.token = token
         try:  # the crashed client's run goes on: one stream tells the crash and the take-over
-            self.run = ray.get(existing.run_id.remote(), timeout=10)
+            self.run = ray.get(existing.run_id.remote(token=token), timeout=10)
+        except AccessError as err:
+            raise AccessError(f"job {cfg.job_name!r} runs under another credential than this process's: pick "
+                              "another job_name") from err
         except Exception:  # noqa: BLE001 - a dead or older supervisor: its job's current run, if any
             self.run = events.current_run(cfg.job_name)
         deadline = time.monotonic() + CLIENT_GONE_S + 5.0
         idle = 0.0
         while time.monotonic() < deadline:
             try:
-                idle = ray.get(existing.client_idle_s.remote(), timeout=10)
+                idle = ray.get(existing.client_idle_s.remote(token=token), timeout=10)
+            except AccessError:
+                raise
             except Exception:  # noqa: BLE001 - a dead or stale supervisor is replaced like an idle one
                 idle = float("inf")
             if idle > CLIENT_GONE_S:
@@ -210,7 +276,7 @@ class ActorGroup:
                 f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r} and its "
                 "client is alive: pick another job_name or stop that job first"
             )
-        replaced = cleanup(cfg.job_name, keep_keepers=True)
+        replaced = cleanup(cfg.job_name, keep_keepers=True, token=token)
         self._log.warning("took_over_job", client_idle_s=round(idle, 1), replaced=replaced)
 
     def spawn_agent(self, index: int, *, wait: bool = True) -> None:
@@ -234,7 +300,7 @@ class ActorGroup:
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index],
                                                                                 soft=False)
-            agent = self._factory(index, incarnation, self.supervisor, options)
+            agent = self._factory(index, incarnation, self._for_agents, options)
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
             self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
@@ -376,6 +442,10 @@ class ActorGroup:
     def agent(self, index: int) -> Any:
         return self._agents[index]
 
+    def kill_supervisor(self, *, no_restart: bool = True) -> None:
+        """Kill the supervisor's process (``no_restart=False``: Ray starts it again, and it replays its log)."""
+        ray.kill(self.supervisor.handle, no_restart=no_restart)
+
     def kill_agent(self, index: int) -> None:
         """Kill slice ``index``'s agent for real (as its host dying would)."""
         ray.kill(self._agents[index], no_restart=True)
@@ -397,34 +467,32 @@ class ActorGroup:
             self._respawner.join(timeout=30)
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
-                _close_supervisor(self.supervisor, self._config.job_name, self.token)
+                _close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
             quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():
                 _kill(agent)
             if self.supervisor is not None:
-                _kill(self.supervisor)
+                _kill(self.supervisor.handle)
             self._agents.clear()
             self._starting.clear()
             _sweep_agents(self._config.namespace)
         remove_token(self._config.job_name, self.token)
 
 
-# -- the job's token, for the operator's commands (elastic inject) on the client's machine ---------------
+# -- the job's token, for the operator's commands and a successor client, on the client's machine ----------
 def token_path(job_name: str) -> Path:
-    """``$ELASTIC_HOME/tokens/<job>`` (default ``~/.elastic``): readable by the client's user only."""
-    return Path(os.environ.get("ELASTIC_HOME", "~/.elastic")).expanduser() / "tokens" / job_name
+    """``$ELASTIC_HOME/tokens/<job>`` (default ``~/.elastic``): a 0600 file in a 0700 directory of the client's
+    user (:mod:`elastic.control.private`)."""
+    return elastic_home() / "tokens" / job_name
 
 
 def write_token(job_name: str, token: str) -> None:
     path = token_path(job_name)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-    except OSError as err:  # a read-only home: operators then pass --token
-        get_logger("elastic.control.cluster", job=job_name).warning("token_not_written", path=str(path), error=repr(err))
+        write_private(path, token)
+    except (OSError, ElasticError) as err:  # a read-only or foreign home: operators then pass --token
+        get_logger("elastic.control.cluster", job=job_name).warning("token_not_written", path=str(path), error=str(err))
 
 
 def read_token(job_name: str) -> str | None:
@@ -432,6 +500,12 @@ def read_token(job_name: str) -> str | None:
         return token_path(job_name).read_text().strip() or None
     except OSError:
         return None
+
+
+def find_token(job_name: str, explicit: str | None = None) -> str | None:
+    """The job's credential: ``explicit`` (``--token``), else ``$ELASTIC_TOKEN``, else the file its client wrote
+    for this user."""
+    return explicit or os.environ.get("ELASTIC_TOKEN") or read_token(job_name)
 
 
 def remove_token(job_name: str, token: str) -> None:

@@ -142,7 +142,7 @@ class Controller:
         self._acct.on_view(view)
         if self._recovering or action.live:  # moving to another mesh: did the standbys cover it?
             ready = self._placement.standby_ready(view)
-            self._acct.timeline.add("standby_ready" if ready else "standby_missing", epoch=view.epoch,
+            self._acct.timeline.add("standby_ready" if ready else "compile_on_move", epoch=view.epoch,
                                     slices=len(view.active))
         if self._recovering:
             self._acct.report.recoveries += 1
@@ -205,7 +205,8 @@ class Controller:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
         incarnations, suspect = self._placement.lost(action.dead)
         self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error",
-                                                  self._group.token, incarnations, suspect)
+                                                  incarnations=incarnations, suspect=suspect)
+
         def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
             back = self._placement.replaced(action.dead & v.active, incarnations)
             return v.epoch > action.after_epoch and not (v.active & action.dead) - back

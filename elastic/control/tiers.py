@@ -49,20 +49,34 @@ class TierSet:
         self.last_completed: tuple[int, str] | None = None  # (step, deepest tier) of the newest complete snapshot
         self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.control.tiers", job=config.job_name)
+        self.on_event: Any = None  # timeline.add, once the job has one: refusals become events of its stream
 
-    def start(self) -> None:
-        """Attach (or create) the keepers and the persistent tier; needs a Ray connection."""
+    def start(self, *, token: str | None = None) -> None:
+        """Attach (or create) the keepers and the persistent tier; needs a Ray connection. ``token``: the job's
+        credential; its keepers then answer only calls carrying the keeper credential derived from it, and the
+        images pushed to them are sealed under the image key (a refused image is a ``keeper_image_refused``
+        timeline event, and restore goes on to the next keeper or tier)."""
         tiers = self._config.tiers
         if tiers.keeper_every and self._keepers is None:
             from snapshot.keeper import KeeperTier
 
-            self._keepers = KeeperTier(self._config.namespace, num_keepers=tiers.keepers, keep=1)
+            from elastic.supervision.credential import derive
+
+            self._keepers = KeeperTier(
+                self._config.namespace, num_keepers=tiers.keepers, keep=1,
+                credential=None if token is None else derive(token, "keeper"),
+                image_key=None if token is None else derive(token, "image"), on_refused=self._refused)
             self._keepers.start()
         if tiers.persistent_dir is not None and self._persistent is None:
             from snapshot.persistent import PersistentTier
 
             self._persistent = PersistentTier(tiers.persistent_dir, every=tiers.persistent_every,
                                               job=self._config.job_name)
+
+    def _refused(self, keeper: str, step: int, why: str) -> None:
+        self._log.warning("keeper_image_refused", keeper=keeper, step=step, why=why)
+        if self.on_event is not None:
+            self.on_event("keeper_image_refused", keeper=keeper, snapshot_step=step, why=why)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:

@@ -20,7 +20,11 @@ FOLLOW_POLL_S = 0.5
 def _source(args: argparse.Namespace) -> Any:
     from elastic.ops.runs import open_run
 
-    return open_run(args.job, run=args.run, directory=args.dir)
+    source = open_run(args.job, run=args.run, directory=args.dir, token=args.token)
+    if source.forged:
+        print(f"elastic: {source.forged} record(s) in job {args.job!r}'s stream are not signed by its writers: left "
+              "out", file=sys.stderr)
+    return source
 
 
 def _print_records(records: list[dict[str, Any]], as_json: bool) -> None:
@@ -41,26 +45,42 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, default=str), flush=True)
         return 0
-    print(f"job {status['job']} run {status['run']} ({status['source']}): {status['state']}")
-    print(f"  epoch {status['epoch']}, slices {status['slices']} ({status['reason']})")
-    print(f"  step {status['step']}, {status['steps_per_s']} steps/s; newest snapshot: step {status['snapshot_step']} "
-          f"({status['snapshot_tier']}); failures {status['failures']}, recoveries {status['recoveries']}")
-    for r in status["recent"]:
-        print(f"  {time.strftime('%H:%M:%S', time.localtime(r['wall']))} {r['writer']:>14} {r['what']}")
+    for line in status_lines(status):
+        print(line)
     return 0
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """The human form of ``fold_status``: nothing unknown is printed as ``None``."""
+    lines = [f"job {status['job']} run {status['run']} ({status['source']}): {status['state']}"]
+    if status["epoch"] is None:
+        lines.append("  no membership view yet")
+    else:
+        lines.append(f"  epoch {status['epoch']}, slices {status['slices']}"
+                     + (f" ({status['reason']})" if status["reason"] else ""))
+    rate = f", {status['steps_per_s']} steps/s" if status["steps_per_s"] is not None else ""
+    snap = (f"newest snapshot: step {status['snapshot_step']} ({status['snapshot_tier']})"
+            if status["snapshot_step"] is not None else "no snapshot yet")
+    lines.append(f"  {status['steps_committed']} steps committed{rate}; {snap}; failures {status['failures']}, "
+                 f"recoveries {status['recoveries']}")
+    for r in status["recent"]:
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(r['wall']))} {r['writer']:>14} {r['what']}")
+    return lines
 
 
 def _events(args: argparse.Namespace) -> int:
     from elastic.supervision import events
 
+    if args.follow and args.dir is None and os.environ.get("RAY_ADDRESS") and not _wait_for_run(args):
+        return 0
     source = _source(args)
     records = source.records
     if args.kind:
         wanted = set(args.kind.split(","))
         records = [r for r in records if r["kind"] in wanted]
     _print_records(records, args.json)
-    if not args.follow or not source.where.startswith("cluster"):
-        return 0
+    if not args.follow or not source.where.startswith("cluster") or any(r["kind"] == "closed" for r in source.records):
+        return 0  # nothing to follow: not asked, a record of a past run, or a job that closed already
     last = max(((r["wall"], r["writer"], r["seq"]) for r in source.records), default=None)
     deadline = time.monotonic() + args.follow_for if args.follow_for else None
     while deadline is None or time.monotonic() < deadline:
@@ -68,10 +88,35 @@ def _events(args: argparse.Namespace) -> int:
         fresh = events.read(source.job, source.run, after=last)
         if fresh:
             last = max((r["wall"], r["writer"], r["seq"]) for r in fresh)
+        if source.key is not None:
+            fresh, forged = events.verify(fresh, source.key)
+            if forged:
+                print(f"elastic: {len(forged)} record(s) not signed by job {source.job!r}'s writers: left out",
+                      file=sys.stderr, flush=True)
+        if fresh:
             _print_records([r for r in fresh if not args.kind or r["kind"] in set(args.kind.split(","))], args.json)
             if any(r["kind"] == "closed" for r in fresh):
                 return 0
     return 0
+
+
+def _wait_for_run(args: argparse.Namespace) -> bool:
+    """``events --follow`` of a job that has not started yet: wait (up to ``--follow-for``) until its stream exists.
+    False if it did not start in time."""
+    from elastic.control.cluster import connect
+    from elastic.supervision import events
+
+    connect()
+    if args.run is not None or events.current_run(args.job) is not None:
+        return True
+    print(f"waiting for job {args.job!r} to start ...", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + args.follow_for if args.follow_for else None
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(FOLLOW_POLL_S)  # a poll of the GCS store: there is no change feed to wait on
+        if events.current_run(args.job) is not None:
+            return True
+    print(f"job {args.job!r} did not start within {args.follow_for:g} s", file=sys.stderr, flush=True)
+    return False
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -95,19 +140,25 @@ def _report(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic.control.cluster import connect, read_token
+    from elastic.control.cluster import connect, find_token
     from elastic.config import ElasticConfig
     from elastic.errors import ConfigError
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
+    if not args.yes and not sys.stdin.isatty():
+        raise ConfigError(f"inject asks for confirmation on a terminal and stdin is not one: pass --yes to inject "
+                          f"{args.fault} into slice {args.slice} of job {args.job!r} without asking")
     if not os.environ.get("RAY_ADDRESS"):
         raise ConfigError("elastic inject acts on a running job: set RAY_ADDRESS to its cluster")
-    token = args.token or read_token(args.job)
+    token = find_token(args.job, args.token)
     if token is None:
-        raise ConfigError(f"no token for job {args.job!r}: run this on the job's client machine as its user (the "
-                          "client writes $ELASTIC_HOME/tokens/<job>), or pass --token")
+        raise ConfigError(f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
+                          "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
     if not args.yes:
-        answer = input(f"inject {args.fault} into slice {args.slice} of job {args.job!r}? [y/N] ")
+        try:
+            answer = input(f"inject {args.fault} into slice {args.slice} of job {args.job!r}? [y/N] ")
+        except EOFError:
+            answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             print("not injected", file=sys.stderr)
             return 1
@@ -117,14 +168,17 @@ def _inject(args: argparse.Namespace) -> int:
         supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
     except ValueError as err:
         raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
-    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token), timeout=30)
+    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
     print(json.dumps({"job": args.job, **out}) if args.json else
           f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}", flush=True)
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", default="demo", help="the job's name (default: demo)")
+    p.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
+    p.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote for "
+                                   "this user under $ELASTIC_HOME/tokens)")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     p.add_argument("--run", help="a run of the job (default: its newest)")
     p.add_argument("--dir", help="read a run record directory instead of the cluster")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
@@ -138,7 +192,8 @@ def register(sub: Any) -> None:
     ev = sub.add_parser("events", help="a job's event stream: observations, decisions and reasons, recovery phases")
     _common(ev)
     ev.add_argument("--kind", help="only these kinds (comma-separated: view,health,timeline,progress,...)")
-    ev.add_argument("--follow", action="store_true", help="keep printing new events until the job closes")
+    ev.add_argument("--follow", action="store_true", help="keep printing new events until the job closes (waits for "
+                                                          "a job that has not started yet)")
     ev.add_argument("--follow-for", type=float, help="stop following after this many seconds")
     ev.set_defaults(func=_events)
     report = sub.add_parser("report", help="a job's report (JSON); --out timeline.png draws it")
@@ -151,8 +206,10 @@ def register(sub: Any) -> None:
                         "host dying would); silence: it stops heartbeating; stop: its process is stopped (SIGSTOP, a "
                         "hung host)")
     inject.add_argument("--slice", type=int, required=True)
-    inject.add_argument("--job", default="demo")
-    inject.add_argument("--token", help="the job's token (default: $ELASTIC_HOME/tokens/<job>, written by its client)")
-    inject.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    inject.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
+    inject.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
+                                        "for this user under $ELASTIC_HOME/tokens)")
+    inject.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     inject.add_argument("--json", action="store_true")
+    inject.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     inject.set_defaults(func=_inject)

@@ -5,13 +5,16 @@ across. The top panel has one lane per slice, a bar while the supervisor's ``vie
 client's ``progress`` slices when the stream has no view), failure markers (a supervisor ``health`` record
 saying a slice is lost, an injected kill), recoveries shaded with their length (a client's ``failure`` up to
 its ``first_step``; a client restart from the old client's last record to the new one's first progress),
-and snapshot ticks on a lane of their own (a change of ``snapshot_step`` in ``progress``, marked by tier).
+and snapshot ticks on a lane of their own (a change of ``snapshot_step`` in ``progress``, marked by tier and drawn
+when its step ran); an operator's ``inject`` is a fault, a revive a heal.
 The bottom panel has the committed step (``progress``, ``restored``, ``first_step``: a rollback shows as a
 drop) per client writer, and steps per second on a twin axis. A give-up, the job's end and view changes
 are vertical lines. Drawn on a ``Figure`` with the Agg canvas: pyplot and its backend are left alone.
 """
 from __future__ import annotations
 
+import bisect
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -156,6 +159,7 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
     lost: set[int] = set()
     last_snapshot = None
     snap_xy: list[tuple[float, int]] = []
+    samples = _step_samples(records, t0)
 
     points: dict[tuple[str, str, float], list[tuple[float, float]]] = {}  # one artist per kind of mark
 
@@ -187,7 +191,9 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
                      ha="right" if x > 0.6 * end else "left", bbox={"color": "white", "alpha": 0.8, "lw": 0})
         elif kind == "view" and r.get("decision") in ("Shrink", "Grow"):
             line(x, "#888888", "view change (shrink/grow)", lw=0.8, ls=":")
-        elif kind == "timeline" and str(r.get("event", "")).startswith("inject_"):
+        elif _timeline(r, "inject_revive"):  # a slice brought back: not a fault
+            point(x, s if isinstance(s, int) else lanes - 0.5, "P", HEALED, "slice revived")
+        elif (kind == "timeline" and str(r.get("event", "")).startswith("inject_")) or kind == "inject":
             point(x, s if isinstance(s, int) else lanes - 0.5, "X", KILL, "injected fault")
         elif _timeline(r, "finished", "saved_final") or kind == "closed":
             line(x, HEALED, "finished / closed", lw=1.2)
@@ -197,7 +203,8 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
             last_snapshot = r["snapshot_step"]
             tier = r.get("snapshot_tier")
             colour, marker = SNAPSHOT.get(tier, (REFUSED, "o"))
-            point(x, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
+            taken = _time_of_step(samples, last_snapshot, x)  # when its step ran, not when it was seen
+            point(taken, lanes, marker, colour, f"snapshot ({tier})", 9 if marker == "|" else 6)
             snap_xy.append((x, last_snapshot))
     for (marker, colour, ms), xy in points.items():
         xs, ys = zip(*xy, strict=True)
@@ -206,6 +213,22 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
         xs, ys = zip(*snap_xy, strict=True)
         bottom.plot(xs, ys, drawstyle="steps-post", color=SNAP_STEP, lw=1, alpha=0.8, zorder=3)
         legend["newest snapshot step"] = Line2D([], [], color=SNAP_STEP)
+
+
+def _step_samples(records: list[dict[str, Any]], t0: float) -> list[tuple[float, int]]:
+    """(seconds, committed step) of every step sample: progress records, restores and first steps."""
+    return [(r["wall"] - t0, r["step"]) for r in records if isinstance(r.get("step"), int)
+            and (r.get("kind") == "progress" or _timeline(r, "restored", "first_step"))]
+
+
+def _time_of_step(samples: list[tuple[float, int]], step: int, before: float) -> float:
+    """When ``step`` was committed, interpolated between the step samples seen up to ``before`` (seconds): the
+    newest pair that brackets it (a rollback starts a new climb)."""
+    seen = samples[:bisect.bisect_right(samples, (before, math.inf))]
+    for (x0, s0), (x1, s1) in zip(reversed(seen[:-1]), reversed(seen[1:])):
+        if s0 <= step <= s1:
+            return x0 if s1 == s0 else x0 + (x1 - x0) * (step - s0) / (s1 - s0)
+    return seen[0][0] if seen else before
 
 
 def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[str, Any]) -> None:
@@ -238,8 +261,11 @@ def _draw_steps(ax: Any, records: list[dict[str, Any]], t0: float, legend: dict[
 
 def _summary(records: list[dict[str, Any]], recoveries: list[tuple[float, float, str]], end: float) -> str:
     writers = sorted({r.get("writer", "") for r in records if str(r.get("writer", "")).startswith("client")})
+    from elastic.ops.runs import failures as count_failures
+
     steps = [r["step"] for r in records if r.get("kind") == "progress" and isinstance(r.get("step"), int)]
-    failures = sum(_timeline(r, "failure") for r in records)
+    steps += [r["steps"] - 1 for r in records if _timeline(r, "finished") and isinstance(r.get("steps"), int)]
+    failures = count_failures(r for r in records if "kind" in r)
     gave_up = next((r["gave_up"] for r in records if r.get("kind") == "view" and r.get("gave_up")), None)
     parts = [f"{end:.1f} s", f"{len(records)} records", f"{len(writers)} client(s)", f"{failures} failure(s)",
              f"{len(recoveries)} recovery span(s)", f"last step {steps[-1] if steps else '-'}"]

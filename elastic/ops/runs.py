@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.errors import ConfigError
+from elastic.errors import AccessError, ConfigError
 
-__all__ = ["Source", "elastic_home", "fold_report", "fold_status", "open_run", "records_dir", "describe"]
+__all__ = ["Source", "elastic_home", "failures", "fold_report", "fold_status", "open_run", "records_dir", "describe"]
 
 RECENT = 12  # events shown by status
 
@@ -35,11 +35,17 @@ class Source:
     where: str  # "cluster <address>" or the run record's directory
     records: list[dict[str, Any]]
     report: dict[str, Any] | None = None
+    key: str | None = None  # the job's stream key (records read from the cluster verify under it)
+    forged: int = 0  # records left out: not signed by the job's writers
 
 
-def open_run(job: str, *, run: str | None = None, directory: str | None = None) -> Source:
+def open_run(job: str, *, run: str | None = None, directory: str | None = None, token: str | None = None) -> Source:
     """The records of ``job``'s run (default: its newest): from ``directory`` if given, from the cluster named
-    by ``RAY_ADDRESS`` if set, else from the run records under :func:`records_dir`."""
+    by ``RAY_ADDRESS`` if set, else from the run records under :func:`records_dir`.
+
+    From the cluster only with the job's credential (``token``, else ``$ELASTIC_TOKEN`` or the file its client
+    wrote for this user): ``AccessError`` without it or with another job's; records that do not verify under it
+    are left out and counted (``forged``)."""
     from elastic.supervision import events
 
     if directory is not None:
@@ -48,13 +54,24 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None) 
     if os.environ.get("RAY_ADDRESS"):
         from elastic.control.cluster import connect
 
+        from elastic.control.cluster import find_token
+        from elastic.supervision.credential import derive
+
         connect()
         run = run or events.current_run(job)
         if run is None:
             raise ConfigError(f"no job {job!r} on the cluster at {os.environ['RAY_ADDRESS']} (no event stream); "
                               f"jobs there: {sorted(_jobs_online()) or 'none'}")
-        return Source(job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}",
-                      records=events.read(job, run))
+        token = find_token(job, token)
+        if token is None:
+            raise AccessError(f"no credential for job {job!r} here: run this as the job's user on its client machine "
+                              "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
+        key = derive(token, "stream")
+        records, forged = events.verify(events.read(job, run), key)
+        if not any(r["writer"] == "job" and r["kind"] == "run_started" for r in records) and forged:
+            raise AccessError(f"the credential given is not job {job!r}'s (its event stream does not verify under it)")
+        return Source(job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}", records=records, key=key,
+                      forged=len(forged))
     runs = sorted(p for p in (records_dir() / job).glob("*") if (p / "events.jsonl").exists())
     if run is not None:
         runs = [p for p in runs if p.name == run]
@@ -77,16 +94,21 @@ def describe(record: dict[str, Any]) -> str:
     """One line for a record: what happened and why."""
     kind = record["kind"]
     if kind == "timeline":
-        detail = {k: v for k, v in record.items() if k not in ("wall", "writer", "seq", "kind", "t", "event")}
+        detail = {k: v for k, v in record.items()
+                  if k not in ("wall", "writer", "seq", "kind", "t", "event", "mac") and v is not None}
         return f"{record['event']} " + " ".join(f"{k}={v}" for k, v in detail.items())
     if kind == "view":
         return f"view epoch {record['epoch']} slices {record['active']} ({record['decision']}): {record['reason']}"
     if kind == "health":
         return f"slice {record['slice']} {'healthy' if record['healthy'] else 'LOST'}: {record['cause']}"
     if kind == "progress":
-        return (f"step {record['step']} at {record['steps_per_s']} steps/s on slices {record['slices']}, "
-                f"snapshot {record['snapshot_step']} ({record['snapshot_tier']})")
-    detail = {k: v for k, v in record.items() if k not in ("wall", "writer", "seq", "kind")}
+        rate = f" at {record['steps_per_s']} steps/s" if record.get("steps_per_s") is not None else ""
+        snap = (f"snapshot {record['snapshot_step']} ({record['snapshot_tier']})"
+                if record.get("snapshot_step") is not None else "no snapshot yet")
+        return f"step {record['step']}{rate} on slices {record['slices']}, {snap}"
+    if kind == "inject":
+        return f"operator injected {record.get('fault')} into slice {record.get('slice')}"
+    detail = {k: v for k, v in record.items() if k not in ("wall", "writer", "seq", "kind", "mac") and v is not None}
     return f"{kind} " + " ".join(f"{k}={v}" for k, v in detail.items())
 
 
@@ -98,8 +120,18 @@ def _last(records: Iterable[dict[str, Any]], kind: str, event: str | None = None
     return found
 
 
+def failures(records: Iterable[dict[str, Any]]) -> int:
+    """Slice losses in a run: the supervisor's ``health`` records of a slice lost (an operator's ``inject`` and an
+    agent's death included), or the client's ``failure`` events if it saw more (a hang the supervisor missed)."""
+    records = list(records)
+    lost = sum(r["kind"] == "health" and not r.get("healthy") for r in records)
+    seen = sum(r["kind"] == "timeline" and r.get("event") == "failure" for r in records)
+    return max(lost, seen)
+
+
 def fold_status(source: Source) -> dict[str, Any]:
-    """Slices, epoch, step, step rate, the newest snapshot and its tier, recent events, and the job's state."""
+    """Slices, epoch, steps committed (``step``: the last one's index), step rate, the newest snapshot and its tier,
+    recent events, the job's state, and when its run ended (``ended_wall``: its last record once it finished)."""
     records = source.records
     view, progress = _last(records, "view"), _last(records, "progress")
     finished, closed = _last(records, "timeline", "finished"), _last(records, "closed")
@@ -116,11 +148,13 @@ def fold_status(source: Source) -> dict[str, Any]:
         "job": source.job, "run": source.run, "source": source.where, "state": state,
         "epoch": view["epoch"] if view else None, "slices": view["active"] if view else [],
         "reason": view["reason"] if view else None, "step": step,
+        "steps_committed": step + 1 if isinstance(step, int) else 0,
         "steps_per_s": (progress or {}).get("steps_per_s"),
         "snapshot_step": (progress or {}).get("snapshot_step"), "snapshot_tier": (progress or {}).get("snapshot_tier"),
-        "failures": sum(r["kind"] == "timeline" and r["event"] == "failure" for r in records),
+        "failures": failures(records),
         "recoveries": sum(r["kind"] == "timeline" and r["event"] == "first_step" for r in records),
         "last_event_wall": records[-1]["wall"] if records else None,
+        "ended_wall": records[-1]["wall"] if records and state != "running" else None,
         "recent": [{"wall": r["wall"], "writer": r["writer"], "kind": r["kind"], "what": describe(r)} for r in recent],
     }
 
@@ -132,6 +166,7 @@ def fold_report(source: Source) -> dict[str, Any]:
     status = fold_status(source)
     timeline = [{k: v for k, v in r.items() if k not in ("writer", "seq", "kind")} for r in source.records
                 if r["kind"] == "timeline"]
-    return {"job": source.job, "run": source.run, "state": status["state"], "steps_committed": status["step"],
+    return {"job": source.job, "run": source.run, "state": status["state"], "steps_committed": status["steps_committed"],
             "recoveries": status["recoveries"], "failures": status["failures"], "slices_final": len(status["slices"]),
+            "seconds": round(status["last_event_wall"] - source.records[0]["wall"], 3) if source.records else 0.0,
             "timeline": timeline}

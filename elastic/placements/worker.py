@@ -76,6 +76,7 @@ class WorkerSpec:
     step_hooks: tuple[StepHook, ...] = ()  # run in the worker as each step starts (a drill's faults)
     cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
     keepers: bool = False  # the job keeps keeper actors (in its namespace)
+    keeper_credential: str | None = None  # what the job's keepers answer (elastic.supervision.credential "keeper")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,7 +399,7 @@ class SliceWorker:
         if self._keepers is None:
             from snapshot.keeper import KeeperTier
 
-            self._keepers = KeeperTier.attach(self._config.namespace)
+            self._keepers = KeeperTier.attach(self._config.namespace, credential=self._spec.keeper_credential)
         return self._keepers
 
     def _begin_tiers(self, plan: GroupPlan, mesh: Any, state: Any) -> None:

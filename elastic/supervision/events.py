@@ -12,9 +12,16 @@ Bounded: each writer keeps its newest ``keep`` records (``DEFAULT_KEEP``), older
 ones land (a reader sees the gap in ``seq``), and a job keeps its newest ``KEEP_RUNS`` runs. A supervisor restarted elsewhere reads its own records back and
 continues the sequence. ``delete(job)`` (``elastic cleanup``) removes a job's stream; an embedded cluster's
 stream goes with the cluster, so the CLI also writes a finished run's stream to a directory (``dump``).
+
+Signed: a job's writers hold its stream key (:mod:`elastic.supervision.credential`) and each record carries
+``mac``, an HMAC of the record; a restarted supervisor replays only its records that verify, and the operator's
+commands drop (and say so) records that do not. The store itself is Ray's: any holder of the cluster token can
+read it or delete keys from it; what the MAC promises is that nothing written by another is taken as the job's.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import threading
@@ -26,7 +33,10 @@ from typing import Any
 
 from ray.experimental import internal_kv as kv
 
-__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "runs"]
+from elastic.errors import ConfigError
+
+__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "parse", "runs",
+           "sign", "verify"]
 
 NAMESPACE = "elastic-events"
 DEFAULT_KEEP = 50_000  # records per writer (~200 bytes each: ~10 MB per writer at most)
@@ -37,14 +47,40 @@ def _key(*parts: object) -> bytes:
     return "/".join(str(p) for p in parts).encode()
 
 
-def new_run(job: str, *, keep_runs: int = KEEP_RUNS) -> str:
+def sign(record: dict[str, Any], key: str) -> dict[str, Any]:
+    """``record`` with ``mac``: HMAC-SHA256 under ``key`` of its canonical JSON (keys sorted, without ``mac``)."""
+    body = {k: v for k, v in record.items() if k != "mac"}
+    return {**body, "mac": _mac(body, key)}
+
+
+def _mac(body: dict[str, Any], key: str) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def verify(records: Iterable[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split ``records`` into those whose ``mac`` is right under ``key`` and the rest (forged, altered, or
+    unsigned); the good ones keep their ``mac``."""
+    good, bad = [], []
+    for r in records:
+        if not isinstance(r, dict):
+            bad.append(r)
+            continue
+        mac = r.get("mac")
+        body = {k: v for k, v in r.items() if k != "mac"}
+        ok = isinstance(mac, str) and hmac.compare_digest(mac.encode(), _mac(body, key).encode())  # any text: bytes
+        (good if ok else bad).append(r)
+    return good, bad
+
+
+def new_run(job: str, *, keep_runs: int = KEEP_RUNS, key: str | None = None) -> str:
     """A fresh run id for ``job``, recorded as its current run; runs older than the newest ``keep_runs`` go."""
     known = runs(job)
     for old in known[: max(0, len(known) - keep_runs + 1)]:
         kv._internal_kv_del(_key(job, old, ""), del_by_prefix=True, namespace=NAMESPACE)
     now = time.time()  # ids sort by start time, to the microsecond
     run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:4]}"
-    EventStream(job, run, "job").append("run_started", job=job, run=run)  # the run exists from its start
+    EventStream(job, run, "job", key=key).append("run_started", job=job, run=run)  # the run exists from its start
     kv._internal_kv_put(_key(job, "current"), run.encode(), namespace=NAMESPACE)
     return run
 
@@ -61,10 +97,12 @@ def runs(job: str) -> list[str]:
 
 
 class EventStream:
-    """Appends records of one writer of one run. Thread-safe; a failed write is counted, never raised."""
+    """Appends records of one writer of one run, each signed under ``key`` (the job's stream key) when given.
+    Thread-safe; a failed write is counted, never raised."""
 
-    def __init__(self, job: str, run: str, writer: str, *, keep: int = DEFAULT_KEEP) -> None:
+    def __init__(self, job: str, run: str, writer: str, *, keep: int = DEFAULT_KEEP, key: str | None = None) -> None:
         self.job, self.run, self.writer, self.keep = job, run, writer, keep
+        self._key = key
         self._lock = threading.Lock()
         prefix = _key(job, run, writer, "")
         seqs = [int(k.rsplit(b"/", 1)[1]) for k in kv._internal_kv_list(prefix, namespace=NAMESPACE)]
@@ -75,6 +113,8 @@ class EventStream:
         with self._lock:
             seq, self._next = self._next, self._next + 1
         record = {"wall": round(time.time(), 6), "writer": self.writer, "seq": seq, "kind": kind, **fields}
+        if self._key is not None:
+            record = sign(json.loads(json.dumps(record, default=str)), self._key)  # signed as it is stored
         try:
             kv._internal_kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"),
                                 json.dumps(record, default=str).encode(), namespace=NAMESPACE)
@@ -88,6 +128,11 @@ class EventStream:
     def mine(self) -> list[dict[str, Any]]:
         """This writer's records in this run, in order (a restarted writer's replay)."""
         return read(self.job, self.run, writers=[self.writer])
+
+    def mine_verified(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """This writer's records, and apart those whose MAC is wrong or missing (all good without a key)."""
+        records = self.mine()
+        return verify(records, self._key) if self._key is not None else (records, [])
 
 
 def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = None,
@@ -104,11 +149,28 @@ def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = No
     if not keys:
         return []
     values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())
-    records = [json.loads(v) for v in values.values() if v]
+    records = [r for r in (parse(v) for v in values.values() if v) if r is not None]
     records.sort(key=_order)
     if after is not None:
         records = [r for r in records if _order(r) > after]
     return records
+
+
+def parse(value: bytes | str) -> dict[str, Any] | None:
+    """A stored record, or None if it is not one (not JSON, not an object, or without a numeric ``wall``, a
+    string ``writer`` and ``kind`` and an integer ``seq``): such values were not written by this module."""
+    try:
+        record = json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    wall, seq = record.get("wall"), record.get("seq")
+    if (not isinstance(wall, (int, float)) or isinstance(wall, bool) or wall != wall
+            or not isinstance(seq, int) or isinstance(seq, bool)
+            or not isinstance(record.get("writer"), str) or not isinstance(record.get("kind"), str)):
+        return None
+    return record
 
 
 def _order(record: dict[str, Any]) -> tuple[float, str, int]:
@@ -135,7 +197,24 @@ def dump(records: list[dict[str, Any]], directory: str | os.PathLike, *, report:
 def load(directory: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """A dumped run: its records and report (None if it has none)."""
     path = Path(directory)
-    with open(path / "events.jsonl", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    report = json.loads((path / "report.json").read_text()) if (path / "report.json").exists() else None
+    if not (path / "events.jsonl").is_file():
+        raise ConfigError(f"{path} is not a run record: it has no events.jsonl")
+    records = []
+    with open(path / "events.jsonl", encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = parse(line)
+            if record is None:
+                raise ConfigError(f"{path / 'events.jsonl'} line {number} is not an event record")
+            records.append(record)
+    records.sort(key=_order)
+    report = None
+    if (path / "report.json").exists():
+        try:
+            report = json.loads((path / "report.json").read_text(errors="replace"))
+        except ValueError as err:
+            raise ConfigError(f"{path / 'report.json'} is not JSON: {err}") from err
+        if not isinstance(report, dict):
+            raise ConfigError(f"{path / 'report.json'} is not a report (a JSON object)")
     return records, report

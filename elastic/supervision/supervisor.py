@@ -17,10 +17,16 @@ the client saw fail, is refused for good: only a new incarnation brings its slic
 ``Policy.respawn_every_s`` set, the client's :class:`~elastic.control.cluster.ActorGroup` starts that new incarnation
 for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
 ``close`` ends supervision for good (the job is closing): it stops judging and writing events.
+
+Every call takes ``token=``: the job's credential (:mod:`elastic.supervision.credential`), or for registrations,
+heartbeats and views its agents' derived one. Only their SHA-256 digests are kept; a refused call raises
+:class:`~elastic.errors.AccessError` and is written to the stream. The records it writes are signed under the
+job's stream key, and a restarted supervisor replays only those that verify.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from dataclasses import asdict
@@ -28,7 +34,8 @@ from typing import Any
 
 import ray
 
-from elastic.errors import SupervisorError
+from elastic.errors import AccessError, SupervisorError
+from elastic.supervision import credential
 from elastic.supervision.events import EventStream
 from elastic.log import get_logger
 from elastic.supervision.membership import HealthEvent, View
@@ -50,8 +57,13 @@ class Supervisor:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._tick_s = tick_s
         self._run = run
-        self._token = token  # the job's secret: commands (report_lost, close, inject) must carry it (None: open)
-        self._stream = EventStream(job, run, "supervisor")
+        # Only digests of the job's credentials are kept (None: an open supervisor, for tests and benchmarks): every
+        # call needs the job token, registrations and heartbeats take the agents' credential too.
+        self._token_digest = credential.digest(token) if token is not None else None
+        self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
+        self._refusals: dict[str, tuple[int, float]] = {}  # command -> (refusals written, when the last was)
+        self._stream = EventStream(job, run, "supervisor",
+                                   key=credential.derive(token, "stream") if token is not None else None)
         self._view = View()
         self._tally = HealthTally(policy)  # the health history, folded as it grows
         self._beats: dict[int, float] = {}
@@ -89,7 +101,11 @@ class Supervisor:
         """Rebuild the view, the health history and the refused incarnations after a restart (on any node)
         from this run's event stream; the slices healthy in it count as healthy until their agents fail to
         re-register within a heartbeat timeout."""
-        self._events = self._stream.mine()
+        self._events, forged = self._stream.mine_verified()
+        if forged:  # records someone else wrote under this writer's keys: not this job's history
+            self._append({"kind": "forged_records_refused", "count": len(forged),
+                          "seqs": sorted({r.get("seq") for r in forged if isinstance(r.get("seq"), int)})[:20]})
+            self._log.warning("forged_records_refused", count=len(forged))
         if not self._events:
             return
         wall, now = time.time(), time.monotonic()
@@ -132,17 +148,18 @@ class Supervisor:
         self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch,
                        incarnation=incarnation)
 
-    async def register(self, slice_index: int, incarnation: int, agent: Any) -> View:
+    async def register(self, slice_index: int, incarnation: int, agent: Any, token: str | None = None) -> View:
         """An agent (new, restarted or replacing a lost one) reports its slice healthy.
 
         An agent that died, or whose slice the client saw fail, stays out: only a new incarnation brings its
         slice back. One that was only silent comes back through ``decide``.
         """
-        return await self.register_slices([(slice_index, incarnation)], agent)
+        return await self.register_slices([(slice_index, incarnation)], agent, token=token)
 
-    async def register_slices(self, slices: list[tuple[int, int]], agent: Any) -> View:
+    async def register_slices(self, slices: list[tuple[int, int]], agent: Any, token: str | None = None) -> View:
         """``register`` for every ``(slice, incarnation)`` an agent holds, in one call: one lifeline
         watches them all, so the agent's death loses each of them."""
+        self._authorize(token, "register", agents=True)
         self._ensure_monitor()
         now = time.monotonic()
         fresh = [(s, incarnation) for s, incarnation in slices if self._admits(s, incarnation)]
@@ -175,16 +192,17 @@ class Supervisor:
         return (not self._closed and (slice_index, incarnation) not in self._revoked
                 and incarnation >= self._newest.get(slice_index, incarnation))
 
-    async def heartbeat(self, slice_index: int, incarnation: int) -> bool:
+    async def heartbeat(self, slice_index: int, incarnation: int, token: str | None = None) -> bool:
         """False tells the agent to register again (this supervisor does not know it)."""
-        return not await self.heartbeats([(slice_index, incarnation)])
+        return not await self.heartbeats([(slice_index, incarnation)], token=token)
 
-    async def heartbeats(self, beats: list[tuple[int, int]]) -> list[int]:
+    async def heartbeats(self, beats: list[tuple[int, int]], token: str | None = None) -> list[int]:
         """Heartbeats of many ``(slice, incarnation)`` pairs in one call, from an agent holding them all.
 
         Returns the slices this supervisor does not know as such (empty when all is well): their agent
         must register them again.
         """
+        self._authorize(token, "heartbeat", agents=True)
         if self._closed:
             return []
         self._ensure_monitor()
@@ -197,14 +215,22 @@ class Supervisor:
                 unknown.append(s)
         return unknown
 
-    def _authorize(self, token: str | None, command: str) -> None:
-        """``SupervisorError`` unless ``token`` is this job's secret (a command from another job's client, or
-        from an operator without the job's token, is refused and written to the stream)."""
-        if self._token is not None and token != self._token:
+    def _authorize(self, token: str | None, command: str, *, agents: bool = False) -> None:
+        """``AccessError`` unless ``token`` is this job's credential (``agents``: or its agents' credential). A call
+        from another job, or from an operator without the job's credential, is refused and written to the stream
+        (past ten of a command, once a second at most)."""
+        if self._token_digest is None:
+            return
+        if credential.check(token, self._token_digest, self._agent_digest if agents else None):
+            return
+        now = time.monotonic()
+        written, last = self._refusals.get(command, (0, -math.inf))
+        if written < 10 or now - last >= 1.0:  # a flood of refused calls writes one record a second
+            self._refusals[command] = (written + 1, now)
             self._append({"kind": "refused_command", "command": command})
             self._log.warning("command_refused", command=command)
-            raise SupervisorError(f"{command} refused: it does not carry job {self._job!r}'s token (commands are "
-                                  "accepted only from the job's own client, or an operator holding its token)")
+        raise AccessError(f"{command} refused: it does not carry job {self._job!r}'s credential (only the job's own "
+                          "client, its agents, or an operator holding its token may call it)")
 
     async def report_lost(self, slices: list[int], cause: str, token: str | None = None,
                           incarnations: dict[int, int] | None = None, suspect: bool = True) -> View:
@@ -229,10 +255,11 @@ class Supervisor:
         await self._evaluate()
         return self._view
 
-    async def expect(self, slice_index: int, incarnation: int, within_s: float) -> None:
+    async def expect(self, slice_index: int, incarnation: int, within_s: float, token: str | None = None) -> None:
         """The client started agent ``incarnation`` for ``slice_index`` (a replacement for a lost one, or a
         revive): while it may still register (``within_s``), :func:`decide` counts the slice as coming and does
         not give up for want of it. Cleared when it registers, dies, or is late."""
+        self._authorize(token, "expect")
         if not self._closed and incarnation >= self._newest.get(slice_index, incarnation):
             self._coming[slice_index] = (incarnation, time.monotonic() + within_s)
 
@@ -261,8 +288,9 @@ class Supervisor:
                 await self._evaluate()
 
     # -- decisions -----------------------------------------------------------------------------
-    async def start(self) -> View:
+    async def start(self, token: str | None = None) -> View:
         """Begin judging health (call once every initial agent has registered)."""
+        self._authorize(token, "start")
         self._resume = True
         self._ensure_monitor()
         await self._evaluate()
@@ -400,27 +428,31 @@ class Supervisor:
             agent.silence.remote()
         return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
 
-    async def run_id(self) -> str:
+    async def run_id(self, token: str | None = None) -> str:
         """The run this supervisor writes events for (a client taking the job over writes to it too)."""
+        self._authorize(token, "run_id")
         return self._run
 
     # -- queries -------------------------------------------------------------------------------
-    async def view(self) -> View:
+    async def view(self, token: str | None = None) -> View:
+        self._authorize(token, "view", agents=True)
         return self._view
 
-    async def respawnable(self) -> dict[int, int]:
+    async def respawnable(self, token: str | None = None) -> dict[int, int]:
         """The slices a new agent may bring back, each with the incarnation of its newest agent, which died:
         no agent holds the slice now, and it is neither quarantined nor seen failing by the client (its
         hardware is then suspect, and only a revive brings it back). A silent agent's slice is not listed: it
         may beat again. Empty once closed or given up."""
+        self._authorize(token, "respawnable")
         if self._closed or self._view.gave_up is not None:
             return {}
         return {s: incarnation for s, incarnation in self._newest.items()
                 if (s, incarnation) in self._died and (s, incarnation) not in self._client_lost
                 and s not in self._incarnations and s not in self._tally.quarantined}
 
-    async def wait_for_epoch(self, after: int, timeout_s: float) -> View:
+    async def wait_for_epoch(self, after: int, timeout_s: float, token: str | None = None) -> View:
         """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
+        self._authorize(token, "wait_for_epoch", agents=True)
         self._ensure_monitor()
         self._client_waiting += 1
         self._client_seen = time.monotonic()
@@ -436,17 +468,20 @@ class Supervisor:
             self._client_seen = time.monotonic()
         return self._view
 
-    async def client_idle_s(self) -> float:
+    async def client_idle_s(self, token: str | None = None) -> float:
         """Seconds since the client last waited on this supervisor (0 while it waits): a live client's
         watcher is always waiting or about to, so a long idle time means the client is gone."""
+        self._authorize(token, "client_idle_s")
         return 0.0 if self._client_waiting else time.monotonic() - self._client_seen
 
-    async def events(self) -> list[dict[str, Any]]:
+    async def events(self, token: str | None = None) -> list[dict[str, Any]]:
+        self._authorize(token, "events")
         return list(self._events)
 
-    async def usage(self) -> dict[str, Any]:
+    async def usage(self, token: str | None = None) -> dict[str, Any]:
         """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
         it watches (for benchmarks and status reports)."""
+        self._authorize(token, "usage")
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
                 "slices": len(self._incarnations), "late_beats": self.late_beats,
                 "silent_drops": self.silent_drops}

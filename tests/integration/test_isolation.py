@@ -1,47 +1,240 @@
-"""Isolation: a job's supervisor takes commands (report_lost, close, inject) only with the job's own token, created
-at start; another job's client is refused, and the refusal is written to the job's event stream."""
+"""A job is a boundary: another job on the same Ray cluster (holding the cluster token, running no code in our
+actors) can neither command nor read this job's supervisor, keepers or stream, nor forge what it stores, nor end
+it with ``elastic cleanup``. Each attack is refused, the refusal is an event in the job's stream, and a job
+attacked mid-run ends equal to a run nobody attacked."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import stat
+import threading
+import time
 import uuid
 
+import numpy as np
 import pytest
 import ray
+from ray.experimental import internal_kv as kv
 
-from elastic import SupervisorError
-
+from elastic import AccessError
+from elastic.cli import main
+from elastic.control.cluster import ActorGroup, cleanup, read_token, token_path
+from elastic.ops.runs import open_run
 from elastic.supervision import events
-from elastic.control.cluster import ActorGroup, read_token, token_path
+from elastic.supervision.credential import derive
+from elastic.supervision.supervisor import SUPERVISOR_NAME
+from snapshot.image import checksum, meta_checksum
+from snapshot.keeper import KeeperTier
 
-from .helpers import config
+from .helpers import config, max_abs_diff, trainer
+from .test_keeper import make_image
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def test_a_command_from_another_jobs_client_is_refused(ray_local):
+def refused(ref) -> bool:
+    try:
+        ray.get(ref, timeout=30)
+    except AccessError:
+        return True
+    except ray.exceptions.RayTaskError as err:  # a keeper's refusal (the snapshot layer's own error)
+        return "refused" in str(err)
+    return False
+
+
+def forge(job: str, run: str, writer: str, seq: int, **fields) -> None:
+    """What another job can do with the cluster token: put a record under this job's keys in the GCS store."""
+    record = {"wall": 1e10, "writer": writer, "seq": seq, **fields}
+    kv._internal_kv_put(f"{job}/{run}/{writer}/{seq:012d}".encode(), json.dumps(record).encode(),
+                        namespace=events.NAMESPACE)
+
+
+@pytest.fixture
+def two_jobs(ray_local):
     mine, other = (ActorGroup(config(f"iso-{name}-{uuid.uuid4().hex[:6]}")) for name in ("a", "b"))
     try:
         mine.launch()
         other.launch()
-        assert mine.token != other.token
-        path = token_path(mine._config.job_name)  # noqa: SLF001
-        assert read_token(mine._config.job_name) == mine.token  # noqa: SLF001
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        for call in (lambda: mine.supervisor.report_lost.remote([1], "not yours", other.token),
-                     lambda: mine.supervisor.close.remote(other.token),
-                     lambda: mine.supervisor.inject.remote("kill", 1, other.token),
-                     lambda: mine.supervisor.report_lost.remote([1], "no token")):
-            with pytest.raises(SupervisorError, match="refused: it does not carry job"):
-                ray.get(call(), timeout=30)
-        view = ray.get(mine.supervisor.view.remote(), timeout=30)
-        assert view.active == frozenset(range(4)) and view.epoch == 1, view  # nothing happened
-        refused = [e for e in events.read(mine._config.job_name, mine.run) if e["kind"] == "refused_command"]  # noqa: SLF001
-        assert [e["command"] for e in refused] == ["report_lost", "close", "inject kill", "report_lost"]
-        out = ray.get(mine.supervisor.inject.remote("kill", 1, mine.token), timeout=30)  # its own token works
-        assert out["agent"] == "agent-1-0"
+        yield mine, other
     finally:
         for group in (mine, other):
             group.shutdown()
             events.delete(group._config.job_name)  # noqa: SLF001
-    assert not path.exists()
+
+
+def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
+    mine, other = two_jobs
+    job = mine._config.job_name  # noqa: SLF001
+    path = token_path(job)
+    assert read_token(job) == mine.token != other.token
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001 - what anyone can get
+    agent_cred = derive(mine.token, "agent")
+    calls = {
+        "register (hijack: replace the slice set)": lambda t: raw.register_slices.remote([(1, 99)], None, token=t),
+        "heartbeat": lambda t: raw.heartbeats.remote([(0, 0)], token=t),
+        "report_lost": lambda t: raw.report_lost.remote([1], "not yours", token=t),
+        "inject": lambda t: raw.inject.remote("kill", 1, token=t),
+        "close": lambda t: raw.close.remote(token=t),
+        "view": lambda t: raw.view.remote(token=t), "events": lambda t: raw.events.remote(token=t),
+        "run_id": lambda t: raw.run_id.remote(token=t), "usage": lambda t: raw.usage.remote(token=t),
+        "wait_for_epoch": lambda t: raw.wait_for_epoch.remote(0, 0.1, token=t),
+        "respawnable": lambda t: raw.respawnable.remote(token=t),
+    }
+    for what, call in calls.items():
+        for token in (None, other.token, "x" * 64):
+            assert refused(call(token)), f"{what} with {token!r} was not refused"
+    for what in ("report_lost", "inject", "close", "events", "run_id"):  # the agents' credential commands nothing
+        assert refused(calls[what](agent_cred)), what
+    assert ray.get(raw.heartbeats.remote([(0, 0)], token=agent_cred), timeout=30) == []  # ... but beats
+    view = ray.get(mine.supervisor.view.remote(), timeout=30)
+    assert view.active == frozenset(range(4)) and view.epoch == 1, view  # nothing happened
+    held = ray.get(raw.__ray_call__.remote(lambda self: repr(vars(self))), timeout=30)
+    assert mine.token not in held and agent_cred not in held  # only digests are kept
+    records = events.read(job, mine.run)
+    good, forged = events.verify(records, derive(mine.token, "stream"))
+    assert not forged and any(r["kind"] == "refused_command" and r["command"] == "register" for r in good)
+    out = ray.get(mine.supervisor.inject.remote("kill", 1), timeout=30)  # its own credential works
+    assert out["agent"] == "agent-1-0"
+
+
+def test_forged_records_are_not_replayed_and_not_shown(two_jobs, monkeypatch, capsys):
+    mine, _ = two_jobs
+    job, run = mine._config.job_name, mine.run  # noqa: SLF001
+    forge(job, run, "supervisor", 9_000, kind="view", epoch=50, active=[0], gave_up="forged", reason="forged",
+          decision="GiveUp")
+    forge(job, run, "supervisor", 9_001, kind="refused", slice=2, incarnation=0, cause="agent died", epoch=1,
+          mac="0" * 64)
+    before = ray.get(mine.supervisor.usage.remote(), timeout=30)["pid"]
+    mine.kill_supervisor(no_restart=False)  # Ray restarts it: it replays its records
+    deadline = time.monotonic() + 60  # ray.kill returns before the process is gone: wait for the new one
+    while ray.get(mine.supervisor.usage.remote(), timeout=60)["pid"] == before:
+        assert time.monotonic() < deadline, "the supervisor was not restarted"
+        time.sleep(0.05)  # a bounded poll of the actor (Ray says nothing when it restarts one)
+    view = ray.get(mine.supervisor.wait_for_epoch.remote(0, 1.0), timeout=60)
+    assert view.epoch == 1 and view.active == frozenset(range(4)) and view.gave_up is None, view
+    refusal = [r for r in events.read(job, run) if r["kind"] == "forged_records_refused"]
+    assert refusal and refusal[0]["count"] == 2, refusal
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    source = open_run(job, token=mine.token)
+    assert source.forged == 2 and not any(r.get("reason") == "forged" for r in source.records)
+    assert main(["status", "--job", job, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["state"] == "running" and "not signed" in captured.err
+
+
+def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, capsys, tmp_path):
+    mine, other = two_jobs
+    job = mine._config.job_name  # noqa: SLF001
+    with pytest.raises(AccessError, match="refused"):
+        cleanup(job, purge_events=True, token=other.token)
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "elsewhere"))  # another user: no token file of the job
+    for argv in (["cleanup", "--job-name", job, "--purge-events"], ["status", "--job", job],
+                 ["events", "--job", job], ["status", "--job", job, "--token", other.token]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "credential" in err, (argv, err)
+    view = ray.get(mine.supervisor.view.remote(), timeout=30)  # the job is whole
+    assert view.active == frozenset(range(4)) and events.read(job, mine.run)
+    assert ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    assert main(["status", "--job", job, "--token", mine.token]) == 0  # with its credential, it answers
+    assert "epoch 1" in capsys.readouterr().out
+
+
+def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
+    namespace, token = f"elastic-iso-k-{uuid.uuid4().hex[:6]}", "t" * 64
+    refusals: list[tuple[str, int, str]] = []
+    tier = KeeperTier(namespace, num_keepers=2, credential=derive(token, "keeper"), image_key=derive(token, "image"),
+                      on_refused=lambda *a: refusals.append(a)).start()
+    try:
+        tier.push(make_image(10))
+        assert tier.wait(30)
+        assert tier.latest().step == 10
+        keepers = sorted(tier.handles().items())
+        for _, k in keepers:  # another job: no credential, or its own
+            for cred in (None, derive("other", "keeper")):
+                for call in (k.latest.remote(token=cred), k.steps.remote(token=cred), k.drop.remote(token=cred),
+                             k.put.remote(make_image(20), token=cred), k.held_bytes.remote(token=cred)):
+                    assert refused(call)
+        assert tier.latest().step == 10  # nothing was dropped or replaced
+        # An image slipped into the first keeper past its gate, checksums recomputed: not sealed by the job.
+        good = make_image(30, seed=1)
+        data = good.leaves[0].pieces[0].data + 1
+        piece = dataclasses.replace(good.leaves[0].pieces[0], data=data, checksum=checksum(data))
+        leaf = dataclasses.replace(good.leaves[0], pieces=(piece, *good.leaves[0].pieces[1:]))
+        forged = dataclasses.replace(good, leaves=(leaf, *good.leaves[1:]), meta_checksum=meta_checksum(good.meta),
+                                     mac="0" * 64)
+        forged.verify()  # it passes the checksums
+        ray.get(keepers[0][1].__ray_call__.remote(lambda self, im: self._images.append(im), forged), timeout=30)
+        got = tier.latest()
+        assert got is not None and got.step == 10, got  # the next keeper's good image
+        assert refusals and refusals[0][:2] == (keepers[0][0], 30), refusals
+    finally:
+        tier.close(kill=True)
+
+
+def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
+    """Hijack, forged record, keeper drop and cleanup attempts while the job trains: all refused, result unchanged."""
+    t = trainer(f"iso-run-{uuid.uuid4().hex[:6]}")
+    job = t.job.config.job_name
+    attacked = threading.Event()
+    outcomes: dict[str, bool] = {}
+
+    def attack(step, metrics, run):
+        if step != 12 or attacked.is_set():
+            return
+        namespace = t.job.config.namespace
+        raw = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+        outcomes["hijack"] = refused(raw.register_slices.remote([(0, 7), (1, 7)], None))
+        outcomes["report_lost"] = refused(raw.report_lost.remote([2], "forged"))
+        forge(job, events.current_run(job), "supervisor", 9_000, kind="view", epoch=99, active=[0], gave_up=None,
+              reason="forged", decision="Shrink")
+        keepers = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                   if e["namespace"] == namespace and e["name"].startswith("keeper-")]
+        outcomes["keepers"] = bool(keepers) and all(
+            refused(ray.get_actor(n, namespace=namespace).drop.remote()) for n in keepers)
+        try:
+            cleanup(job, purge_events=True, token="not-the-token")
+            outcomes["cleanup"] = False
+        except AccessError:
+            outcomes["cleanup"] = True
+        attacked.set()
+
+    t.job._on_step = attack  # noqa: SLF001 - the test's hook into the running job
+    result = t.fit()
+    reference = trainer(f"iso-ref-{uuid.uuid4().hex[:6]}").fit()
+    assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 4, outcomes
+    assert result.report.steps_committed == 40 and result.report.recoveries == 0
+    assert max_abs_diff(result.state, reference.state) == 0.0
+    events.delete(job)
+
+
+def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
+    """`elastic events --follow` before the job's stream exists waits for it, then prints its records until it
+    closes (the job's credential given explicitly, as an operator of another user would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from elastic.supervision.credential import new_token
+
+    job, token = f"iso-follow-{uuid.uuid4().hex[:6]}", new_token()
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "events", "--follow", "--follow-for", "90", "--job",
+                             job, "--token", token], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert "waiting for job" in proc.stderr.readline()  # blocks until the command waits
+        key = derive(token, "stream")
+        run = events.new_run(job, key=key)
+        events.EventStream(job, run, "supervisor", key=key).append("closed")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "run_started" in out and "closed" in out and "Traceback" not in err, (out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        events.delete(job)

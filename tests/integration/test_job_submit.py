@@ -52,6 +52,7 @@ class RayHead:
     temp_dir: Path
     dashboard_url: str
     env: dict[str, str]  # what a client needs: RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH, PATH
+    gcs_address: str = ""
 
     def log(self) -> str:
         try:
@@ -196,7 +197,8 @@ def ray_head():
     with open(temp_dir / "head.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    head = RayHead(proc=proc, temp_dir=temp_dir, dashboard_url=f"http://127.0.0.1:{dash}", env=env)
+    head = RayHead(proc=proc, temp_dir=temp_dir, dashboard_url=f"http://127.0.0.1:{dash}", env=env,
+                   gcs_address=f"127.0.0.1:{gcs}")
     try:
         deadline = time.monotonic() + HEAD_READY_TIMEOUT_S
         while not (_dashboard_ready(head.dashboard_url, token) and _port_open(agent_http)):
@@ -280,3 +282,19 @@ def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
     assert report["failures_injected"] == 1 and report["recoveries"] == 1, report
     assert report["worker_processes_restarted"] == 0 and report["client_restarts"] == 0, report
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
+
+
+@pytest.mark.timeout(60)
+def test_the_operator_cli_without_the_cluster_token_says_what_to_set(ray_head: RayHead):
+    """`elastic status` against a token-authenticated cluster from a shell without its token: one line saying
+    what to set, within seconds (not Ray's 20 s of retries and a chained traceback)."""
+    env = {k: v for k, v in ray_head.env.items() if not k.startswith("RAY_AUTH")}
+    env.update(RAY_ADDRESS=ray_head.gcs_address, PYTHONPATH=str(REPO_ROOT))
+    started = time.monotonic()
+    out = subprocess.run([str(PYTHON), "-m", "elastic.cli", "status", "--job", "nobody"], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and 1 <= len(lines) <= 3 and "Traceback" not in out.stderr, out.stderr
+    assert "RAY_AUTH_MODE=token" in out.stderr and "RAY_AUTH_TOKEN_PATH" in out.stderr, out.stderr
+    assert took < 5.0, took

@@ -114,9 +114,13 @@ def _held_loop(namespace: str, at_step: int):  # noqa: ANN202
         state, step_fn = run.state, run.jit(train_step)
         for step in run.steps:
             if step == at_step:
+                from elastic.control.cluster import read_token  # the job's credential: its user's token file
+
                 supervisor = ray.get_actor("supervisor", namespace=namespace)
+                token = read_token(namespace.removeprefix("elastic-"))
                 deadline = time.monotonic() + 120
-                while len(ray.get(supervisor.view.remote()).active) < 4 and time.monotonic() < deadline:
+                while (len(ray.get(supervisor.view.remote(token=token)).active) < 4
+                       and time.monotonic() < deadline):
                     time.sleep(0.1)
             state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
             run.commit(state, loss=loss)

@@ -125,7 +125,7 @@ def test_a_slice_the_client_saw_fail_is_not_respawned(launched):
     """A slice-loss error in the client means suspect hardware: its agent's death brings no replacement."""
     group = launched(EVERY_S)
     namespace = group._config.namespace  # noqa: SLF001
-    view = ray.get(group.supervisor.report_lost.remote([2], "test: its devices failed", group.token), timeout=30)
+    view = ray.get(group.supervisor.report_lost.remote([2], "test: its devices failed"), timeout=30)
     assert view.active == ALL4 - {2}, view
     group.kill_agent(2)
     time.sleep(4 * EVERY_S)

@@ -59,7 +59,7 @@ def test_recovery_with_standbys_ready_compiles_nothing(ray_local):
     r = result.report
     assert r.recoveries == 1 and r.min_slices_seen == 3 and r.standby_compiles >= 4
     events = [e["event"] for e in r.timeline]
-    assert "standby_ready" in events and "standby_missing" not in events, events
+    assert "standby_ready" in events and "compile_on_move" not in events, events
     # From the last commit before the failure to the first commit on the survivors: no compilation at all
     # (probe, restore, and the step on the 6-device mesh were all compiled ahead).
     before = [m for m in marks if m[1] == marks[0][1]][-1]
@@ -75,4 +75,4 @@ def test_recovery_before_standbys_are_ready_still_works(ray_local):
     r = result.report
     assert r.recoveries == 1 and r.steps_committed == 20 and r.duplicate_steps == 0 and r.skipped_steps == 0
     events = [e["event"] for e in r.timeline]
-    assert "standby_missing" in events, events
+    assert "compile_on_move" in events, events

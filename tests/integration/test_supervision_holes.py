@@ -193,7 +193,7 @@ def test_a_job_whose_supervisor_is_gone_for_good_ends_with_a_supervisor_error(ra
     def kill_supervisor(step, metrics, run):
         if step == 3 and not killed:
             killed["at"] = time.monotonic()
-            ray.kill(job.group.supervisor, no_restart=True)
+            job.group.kill_supervisor(no_restart=True)
 
     job, loop = ledger_job("sup-gone", Faults().kill_slice(2, at_step=6), on_step=kill_supervisor,
                            recovery_timeout_s=60.0)

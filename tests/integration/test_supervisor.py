@@ -15,7 +15,7 @@ def test_supervisor_restart_rebuilds_view_and_keeps_supervising(ray_local):
     def kill_supervisor(step, metrics, run):
         if step == 8 and not killed:
             killed["epoch"] = run.epoch
-            ray.kill(job.group.supervisor, no_restart=False)  # Ray restarts it; it replays its event log
+            job.group.kill_supervisor(no_restart=False)  # Ray restarts it; it replays its event log
 
     job, loop = ledger_job("sup-restart", on_step=kill_supervisor, num_steps=30)
     with job:

@@ -124,6 +124,18 @@ def test_no_failure_no_failure_marks(tmp_path: Path) -> None:
     assert pixels_near(image, RECOVERY) == 0
 
 
+def test_a_revive_is_a_heal_and_an_operator_inject_is_a_fault(tmp_path: Path) -> None:
+    s = Stream()
+    s.view(0.0, 0, [0, 1, 2, 3], "Stay")
+    run_steps(s, 1.0, 10.0, 0, [0, 1, 2, 3], 0)
+    s.event(5.0, "inject_revive", step=25, slice=1)
+    image = read_png(render_timeline(s.sorted(), tmp_path / "revive.png"))
+    assert pixels_near(image, KILL) == 0  # a revive is not drawn as a fault
+    s.add(6.0, "supervisor", "inject", fault="kill", slice=2, incarnation=0, epoch=0)
+    image = read_png(render_timeline(s.sorted(), tmp_path / "inject.png"))
+    assert pixels_near(image, KILL) > 30
+
+
 @pytest.mark.parametrize("records", [[], [{"wall": T0, "writer": "supervisor", "seq": 0, "kind": "closed"}],
                                      [{"wall": T0, "writer": "x", "seq": 0, "kind": "unknown-kind", "junk": [1]}]])
 def test_empty_and_tiny_streams_render(tmp_path: Path, records: list[dict[str, Any]]) -> None:
