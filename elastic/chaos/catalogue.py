@@ -138,7 +138,7 @@ class Schedule:
                     faults.hang_step(at_step=f.at_step, slice=f.slice)
                 else:
                     {"kill": faults.kill_slice, "revive": faults.revive_slice,
-                     "silence": faults.silence_agent}[f.kind](f.slice, at_step=f.at_step)  # type: ignore[operator]
+                     "silence": faults.silence_agent}[f.kind](f.slice, at_step=f.at_step)  # type: ignore[arg-type]  # kill/revive/silence name a slice
         return faults
 
     @property
@@ -195,7 +195,7 @@ def _every_slice(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault],
 def _flapping(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
     s, step, faults = rng.randrange(shape.num_slices), rng.randint(1, 3), []
     for kind in ("kill", "revive", "kill", "revive"):
-        faults.append(ChaosFault(kind=kind, slice=s, at_step=step))  # type: ignore[arg-type]
+        faults.append(ChaosFault(kind=kind, slice=s, at_step=step))
         step = _later(rng, shape, step, gap=2)
     return faults, "finish"
 

@@ -212,4 +212,5 @@ class DriverFaults:
 
 def snapshotter_of(job: ElasticJob) -> Snapshotter:
     """The in-memory snapshot tier of an ``ElasticJob`` (a testing seam: corrupt a copy, read its stats)."""
+    assert job._tiers is not None, "a single-process job"  # noqa: SLF001
     return job._tiers._snapshots  # noqa: SLF001 - a testing seam, as snapshot.testing is

@@ -31,7 +31,7 @@ def _cpu_devices(count: int) -> None:
     import jax
 
     try:
-        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.values["jax_num_cpu_devices"] or 1))
     except RuntimeError:  # jax already started: the devices it has are the ones there are
         pass
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax.sharding import Mesh
@@ -76,7 +76,7 @@ def replay(*, config: ElasticConfig, topology: runtime.Topology, schedule: dict[
     host = _ReplayHost(config, schedule)
     view = View(epoch=1, active=frozenset(schedule[0]))
     state: Any = None
-    start, extras = 0, {}
+    start, extras = 0, cast(dict[str, Any], {})
     while True:
         mesh = runtime.build_mesh(topology.select(view.active), mesh_fn)
         target = shardings(mesh)

@@ -136,7 +136,7 @@ class ChaosRunner:
         self.seed, self.timeout_s, self.scenarios = seed, timeout_s, scenarios
         cfg = self._target.config
         policy = replace(cfg.policy, repair_timeout_s=min(cfg.policy.repair_timeout_s, REPAIR_S))
-        self.config = replace(cfg, policy=policy, **({"num_steps": steps} if steps else {}))
+        self.config = replace(cfg, policy=policy) if not steps else replace(cfg, policy=policy, num_steps=steps)
         self.overrides: dict[str, Any] = {}
         if steps and steps != cfg.num_steps:
             self.overrides["num_steps"] = steps

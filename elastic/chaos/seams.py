@@ -95,7 +95,7 @@ class Seams:
             self._corrupt(step)
             self._injector.fire(Fault(kind="transient", at_step=step))  # the restore reads the corrupt copy
         else:
-            self._injector.fire(Fault(kind=fault.kind, at_step=step, slice=fault.slice))
+            self._injector.fire(Fault(kind=fault.kind, at_step=step, slice=fault.slice))  # type: ignore[arg-type]  # the kinds Fault takes
 
     def _corrupt(self, step: int) -> None:
         """Flip a byte of the first copy of a piece of the newest complete snapshot."""

@@ -55,7 +55,7 @@ def connect(address: str | None = None) -> bool:
     quiet.route_ray_errors()
     if address:
         return False
-    _start_reaper(context.address_info["session_dir"])
+    _start_reaper(context.address_info["session_dir"])  # type: ignore[attr-defined]  # a RayContext
     return True
 
 
@@ -172,7 +172,8 @@ class SliceAgents:
 
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
         cfg = self._config
-        return SliceAgent.options(**options).remote(index, incarnation, supervisor, cfg.heartbeat_interval_s,
+        return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
+            index, incarnation, supervisor, cfg.heartbeat_interval_s,
                                                     cfg.job_name)
 
 
@@ -214,7 +215,7 @@ class ActorGroup:
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        handle = Supervisor.options(
+        handle = Supervisor.options(  # type: ignore[attr-defined]  # a ray actor class
             name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
         ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
         self.supervisor = Credentialed(handle, self.token)

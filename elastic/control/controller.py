@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -73,7 +73,7 @@ class Controller:
         """Run ``loop`` to the last step through the state machine, re-entering it on each view change."""
         view = self._first_view()
         self._acct.timeline.add("started", slices=len(view.active), epoch=view.epoch)
-        machine, event = Machine(), Started(view)
+        machine, event = Machine(), cast(Event, Started(view))
         self._stall.start()
         try:
             while True:

@@ -43,7 +43,7 @@ def _native_stderr_off() -> Iterator[None]:
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Return if the cluster at ``address`` answers and accepts this process's credentials; else raise
     :class:`ClusterError` (within about ``timeout_s``)."""
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # not in ray's stubs
 
     outcome: list[BaseException | None] = []
 

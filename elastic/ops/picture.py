@@ -225,7 +225,7 @@ def _time_of_step(samples: list[tuple[float, int]], step: int, before: float) ->
     """When ``step`` was committed, interpolated between the step samples seen up to ``before`` (seconds): the
     newest pair that brackets it (a rollback starts a new climb)."""
     seen = samples[:bisect.bisect_right(samples, (before, math.inf))]
-    for (x0, s0), (x1, s1) in zip(reversed(seen[:-1]), reversed(seen[1:])):
+    for (x0, s0), (x1, s1) in zip(reversed(seen[:-1]), reversed(seen[1:]), strict=True):
         if s0 <= step <= s1:
             return x0 if s1 == s0 else x0 + (x1 - x0) * (step - s0) / (s1 - s0)
     return seen[0][0] if seen else before

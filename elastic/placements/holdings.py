@@ -105,7 +105,7 @@ class Holdings:
         the group's state, planned for now (its first snapshot then costs the training thread no planning)."""
         self._send = list(send)
         self._static: dict[str, Any] = {}
-        self._snap = Snapshotter(SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),  # type: ignore[arg-type]
+        self._snap = Snapshotter(SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),
                                  slice_of=slice_of, on_complete=self._completed)
         if state is not None:
             self._snap.prepare(state)
@@ -177,7 +177,7 @@ class Holdings:
             s["held_bytes"] = sum(i.nbytes for i in own.values()) + sum(
                 i.nbytes for g in self._buddies.values() for i in g.values())
         s["state_bytes"] = max((i.nbytes for i in own.values()), default=0)
-        s["latest_step"] = max(own, default=None)
+        s["latest_step"] = max(own, default=None)  # type: ignore[assignment]  # stats hold ints and floats
         return s
 
     # -- buddy copies --------------------------------------------------------------------------------------------

@@ -449,7 +449,7 @@ class ProcessPlacement:
             for s in plan.members:
                 for index, data in got[s]["pieces"][i]:
                     full[tuple(slice(a, b) for a, b in index)] = data
-            out.append(full if key_impl is None else jax.random.wrap_key_data(full, impl=key_impl))
+            out.append(full if key_impl is None else jax.random.wrap_key_data(full, impl=key_impl))  # type: ignore[arg-type]  # host data
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def save_final(self, path: str) -> None:
@@ -469,7 +469,8 @@ class ProcessPlacement:
         report.snapshot_copies = min(2, len(self._members)) if report.snapshot_held_bytes else 0
         ends = [self._snapshots.get(s, {}) for s in self._members]
         latest = [e.get("latest_step") for e in ends]
-        self.figures["snapshot_latest_step"] = None if not latest or None in latest else min(latest)
+        self.figures["snapshot_latest_step"] = (None if not latest or None in latest
+                                                else min(x for x in latest if x is not None))
         self.figures["snapshots_dropped"] = max((e.get("snapshots_dropped", 0) for e in ends), default=0)
         keepers = self._keepers()
         if keepers is not None:

@@ -44,7 +44,7 @@ def restore_state(abstract: Any, shardings: Any, layout: Layout, *, local: Calla
     else with the pieces ``fetch(leaf, region, have)`` brings (what other processes hold of it; ``have``: the
     pieces at hand). Raises ``RuntimeError`` naming ``what`` when they do not cover a region."""
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    targets = treedef.flatten_up_to(shardings)
+    targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # a jaxlib PyTreeDef
     if len(layout) != len(leaves):
         raise SnapshotStructureError(f"{what}: the snapshot holds {len(layout)} leaves, the state has {len(leaves)}")
     placed = []

@@ -139,7 +139,7 @@ class SliceWorker:
         self._abstract: Any = None
         self._shape_meta: dict[str, Any] = {}
         self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)  # type: ignore[arg-type]
         self._started = False
         gc.freeze()  # what the imports made lives as long as the process: a re-formation's collection skips it
 
@@ -345,7 +345,7 @@ class SliceWorker:
             return state, meta
         if plan.source == "keeper":
             keepers = self._keeper_tier()
-            meta = keepers.part_meta(plan.keeper, step) if keepers is not None else None
+            meta = keepers.part_meta(plan.keeper, step) if keepers is not None else None  # type: ignore[assignment]
             if meta is None:
                 raise RuntimeError(f"keeper {plan.keeper} no longer holds step {step}")
 
@@ -473,7 +473,7 @@ class SliceWorker:
         with self._lock:
             self._aborted = aborted = threading.Event()  # this pass's: an abandoned thread keeps seeing its own
             self._ended = ended = threading.Event()
-            self._commits = commits = []
+            self._commits = commits = []  # type: ignore[var-annotated]  # self._commits is declared
             self._polled = time.monotonic()
         out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch}
         failure: dict[str, Any] = {}
@@ -645,4 +645,4 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layout(meta: dict[str, Any]) -> Layout:
-    return [tuple(x) for x in meta["_layout"]]  # type: ignore[misc]
+    return [tuple(x) for x in meta["_layout"]]

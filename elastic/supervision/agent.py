@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import ray
 
@@ -19,7 +20,7 @@ __all__ = ["SliceAgent", "SliceGroupAgent"]
 
 @ray.remote(num_cpus=0)
 class SliceAgent:
-    def __init__(self, slice_index: int, incarnation: int, supervisor: object, interval_s: float, job: str) -> None:
+    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, interval_s: float, job: str) -> None:
         self._slice = slice_index
         self._incarnation = incarnation
         self._supervisor = supervisor
@@ -78,7 +79,7 @@ class SliceGroupAgent:
     """One agent for many slices: one registration, one heartbeat call per interval and one lifeline for
     all of them, so its death loses every slice it holds. ``slices`` maps each slice to its incarnation."""
 
-    def __init__(self, slices: dict[int, int], supervisor: object, interval_s: float, job: str) -> None:
+    def __init__(self, slices: dict[int, int], supervisor: Any, interval_s: float, job: str) -> None:
         self._slices = dict(slices)
         self._supervisor = supervisor
         self._interval_s = interval_s

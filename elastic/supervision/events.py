@@ -61,7 +61,8 @@ def _mac(body: dict[str, Any], key: str) -> str:
 def verify(records: Iterable[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Split ``records`` into those whose ``mac`` is right under ``key`` and the rest (forged, altered, or
     unsigned); the good ones keep their ``mac``."""
-    good, bad = [], []
+    good: list[dict[str, Any]] = []
+    bad: list[dict[str, Any]] = []
     for r in records:
         if not isinstance(r, dict):
             bad.append(r)
@@ -148,7 +149,7 @@ def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = No
         keys = [k for k in keys if k.split(b"/")[2] in wanted]
     if not keys:
         return []
-    values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())
+    values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())  # type: ignore[attr-defined]  # set once connected
     records = [r for r in (parse(v) for v in values.values() if v) if r is not None]
     records.sort(key=_order)
     if after is not None:

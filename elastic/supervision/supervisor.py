@@ -104,7 +104,7 @@ class Supervisor:
         self._events, forged = self._stream.mine_verified()
         if forged:  # records someone else wrote under this writer's keys: not this job's history
             self._append({"kind": "forged_records_refused", "count": len(forged),
-                          "seqs": sorted({r.get("seq") for r in forged if isinstance(r.get("seq"), int)})[:20]})
+                          "seqs": sorted({r["seq"] for r in forged if isinstance(r.get("seq"), int)})[:20]})
             self._log.warning("forged_records_refused", count=len(forged))
         if not self._events:
             return
@@ -319,7 +319,7 @@ class Supervisor:
             for s, seen in list(self._beats.items()):
                 if s in self._incarnations and now - seen > self._heartbeat_timeout_s and s not in self._asking:
                     self._asking.add(s)
-                    task = asyncio.get_running_loop().create_task(self._confirm_silent(s, self._incarnations[s]))
+                    task = asyncio.get_running_loop().create_task(self._confirm_silent(s, self._incarnations[s]))  # type: ignore[arg-type]
                     self._watches.add(task)
                     task.add_done_callback(self._watches.discard)
             await self._evaluate()
@@ -373,7 +373,7 @@ class Supervisor:
             view = View(epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason,
                         reason=decision.reason)
         self._view = view
-        self._view_agents = {s: self._incarnations[s] for s in view.active if self._incarnations.get(s) is not None}
+        self._view_agents = {s: inc for s in view.active if (inc := self._incarnations.get(s)) is not None}
         self._append({"kind": "view", "decision": type(decision).__name__, **asdict(view),
                       "active": sorted(view.active)})
         self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)

@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import pytest
 import ray
 from ray.experimental import internal_kv as kv
