@@ -187,7 +187,7 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
     assert report["grows"] == len(lost) and report["slices_final"] == 3, events  # each new process joined
     grow = next(e for e in events if e["event"] == "grow")
     moved = next(e for e in events if e["event"] == "resharded")
-    assert moved["step"] <= spec.revive_at + 4 and moved["epoch"] == grow["epoch"]
+    assert moved["step"] <= spec.revive_at + 8 and moved["epoch"] == grow["epoch"]  # a new process starts in seconds
 
 
 @pytest.mark.integration
