@@ -263,6 +263,7 @@ class SliceWorker:
         phases["end_group"] = time.monotonic() - start
         with self._lock:
             self._epoch = plan.epoch
+            self._commits = []  # a poll of the new group before its pass starts must not read the last pass's commits
         index = plan.members.index(self.slice)
         out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch,
                                "node": ray.get_runtime_context().get_node_id()}
