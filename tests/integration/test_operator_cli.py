@@ -149,12 +149,16 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
         internal_kv._internal_kv_put(flag, b"1")
         worker.join(120)
         internal_kv._internal_kv_del(flag)
-    assert status["state"] == "running" and status["slices"] == [0, 1] and status["epoch"] == 2, status
+    # gloo may take the killed worker's ring neighbour with it (counted as survivors_lost; see test_processes):
+    # then a second Shrink and recovery follow, and one slice is left
+    second = status["slices"] != [0, 1]
+    assert status["state"] == "running" and 2 not in status["slices"] and status["slices"], status
+    assert status["epoch"] == 2 + second, status
     assert status["step"] is not None and 5 <= status["step"] <= 20, status  # progress: at most 5 s old
-    assert status["recoveries"] == 1 and status["failures"] == 1
+    assert status["recoveries"] == 1 + second and status["failures"] >= 1
     decisions = [r["decision"] for r in records if r["kind"] == "view"]
-    assert decisions == ["Grow", "Shrink"], decisions
+    assert decisions == ["Grow", "Shrink"] + ["Shrink"] * second, decisions
     lost = [r for r in records if r["kind"] == "health" and not r["healthy"]]
     assert lost and lost[0]["slice"] == 2 and "agent died" in lost[0]["cause"], lost  # the worker was its agent
-    assert report["recoveries"] == 1
+    assert report["recoveries"] == 1 + second
     assert box["result"].report.steps_committed == 30
