@@ -31,19 +31,7 @@ Send = Callable[[HostImage], None]
 def regions_of(state_leaves: Sequence[Any]) -> list[list[Index]]:
     """Every region each leaf has on its sharding (the pieces that make it whole), as plain bounds; a typed key's
     regions are its key data's (the trailing key dimensions whole)."""
-    import jax
-
-    from snapshot.image import region
-
-    out = []
-    for leaf in state_leaves:
-        shape = tuple(leaf.shape)
-        trailing: tuple[tuple[int, int], ...] = ()
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            data_shape = jax.eval_shape(jax.random.key_data, leaf).shape
-            trailing = tuple((0, n) for n in data_shape[len(shape):])
-        out.append(sorted({region(idx, shape) + trailing for idx in leaf.sharding.devices_indices_map(shape).values()}))
-    return out
+    return [sorted(held) for held in holders_of(state_leaves)]
 
 
 def holders_of(state_leaves: Sequence[Any]) -> list[dict[Index, tuple[int, ...]]]:

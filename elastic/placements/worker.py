@@ -36,7 +36,7 @@ from elastic.config import ElasticConfig
 from elastic.control.pass_host import PassHost
 from elastic.control.report import Ledger
 from elastic.log import get_logger
-from elastic.placements.holdings import Holdings, holders_of, regions_of, select
+from elastic.placements.holdings import Holdings, holders_of, select
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.supervision.membership import View
 from runtime import distributed
@@ -460,8 +460,9 @@ class SliceWorker:
         leaves = jax.tree_util.tree_leaves(state)
         key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
         if self._shape_key != key:  # the regions, their holders and the layout of a state: once per mesh
-            self._shape_key, self._shape_meta = key, {"_regions": regions_of(leaves), "_layout": layout_of(leaves)}
-            self._holders = holders_of(leaves)
+            self._holders = holders_of(leaves)  # once per layout: the regions are its keys
+            self._shape_key = key
+            self._shape_meta = {"_regions": [sorted(h) for h in self._holders], "_layout": layout_of(leaves)}
         meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed}
         self._holdings.save(next_step, state, meta, static=self._shape_meta)
         if self._persistent is not None and self._persistent.due(next_step):
