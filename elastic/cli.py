@@ -3,6 +3,8 @@
 (:mod:`elastic.ops.commands`) and ``cleanup``."""
 from __future__ import annotations
 
+from typing import NoReturn
+
 import argparse
 import json
 import logging
@@ -176,8 +178,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line and where to look, not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
+    parser = _Parser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
     demo.add_argument("--scenario", choices=("slice-loss", "client-crash", *_MULTI), default="slice-loss",
