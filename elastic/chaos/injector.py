@@ -20,6 +20,8 @@ import runtime
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
 from elastic.chaos.faults import Fault, Faults
+from elastic.control.watcher import ViewWatcher
+from elastic.errors import RecoveryTimeoutError
 from elastic.log import get_logger
 from snapshot import Snapshotter
 
@@ -33,22 +35,28 @@ COLLECTIVE_DELAY_S = 0.02  # a kill "during the collective": this long into the 
 
 
 class FaultInjector:
-    """Fires each fault once, when the loop reaches its step (a recomputed step does not fire it again)."""
+    """Fires each fault once, when the loop reaches its step (a recomputed step does not fire it again). A
+    ``revive`` returns once the slice is back in the membership view (at most ``hold_s``), so the job grows onto
+    it at the next step boundary however long its new agent took to start."""
 
     def __init__(self, faults: Faults, *, topology: runtime.Topology, simulated: bool,
-                 group: Callable[[], ActorGroup], accounting: Accounting, job: str) -> None:
+                 group: Callable[[], ActorGroup], accounting: Accounting, job: str,
+                 watcher: Callable[[], ViewWatcher | None] = lambda: None, hold_s: float = 60.0) -> None:
         self._faults = faults
         self._topology = topology
         self._simulated = simulated
         self._group = group
         self._acct = accounting
+        self._watcher = watcher
+        self.hold_s = hold_s
         self._fired: set[Fault] = set()
         self._log = get_logger("elastic.chaos.faults", job=job)
 
     @classmethod
     def for_job(cls, faults: Faults, job: ElasticJob) -> FaultInjector:
         return cls(faults, topology=job.topology, simulated=job.config.simulated, group=lambda: job.group,
-                   accounting=job._acct, job=job.config.job_name)  # noqa: SLF001 - the job's own accounting
+                   accounting=job._acct, job=job.config.job_name,  # noqa: SLF001 - the job's own accounting
+                   watcher=lambda: job._watcher)  # noqa: SLF001 - the job's own view
 
     def __call__(self, step: int) -> None:
         for fault in self._faults.faults:
@@ -88,6 +96,16 @@ class FaultInjector:
             if self._simulated:
                 runtime.simulated.revive_slice(slice_)
             group.spawn_agent(fault.slice)
+            self._await_back(fault.slice)
+
+    def _await_back(self, index: int) -> None:
+        watcher = self._watcher()
+        if watcher is None:
+            return
+        try:
+            watcher.wait_for(lambda v: index in v.active, self.hold_s, what=f"slice {index} back")
+        except RecoveryTimeoutError:  # the drill goes on; the job grows whenever the slice does come back
+            self._log.warning("revive_late", slice=index, waited_s=self.hold_s)
 
 
 class WorkerFaults:
