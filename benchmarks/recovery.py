@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--mode", choices=("single", "multi-process", "both"), default="single",
                         help="single-process (default), multi-process (benchmarks/recovery_mp.py), or both")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="multi-process: trials of ours and of the baseline; medians are reported")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args()
     if args.mode == "multi-process":
@@ -199,7 +201,7 @@ def main() -> None:
 def _multi_process(args: argparse.Namespace) -> dict:
     from recovery_mp import run
 
-    return run(args.mib, args.kill_at, args.steps)
+    return run(args.mib, args.kill_at, args.steps, args.repeats)
 
 
 def _single(args: argparse.Namespace) -> dict:
