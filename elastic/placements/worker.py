@@ -557,7 +557,11 @@ class SliceWorker:
             if plan.record_calls:
                 self._record(fn, args, mesh_)
 
-        host = PassHost(self._config, save=lambda n, s, e: self._save(plan, ledger, n, s, e), changed=changed,
+        def save(next_step: int, state_: Any, extras_: dict[str, Any]) -> None:
+            if not aborted.is_set():  # an abandoned pass snapshots nothing (the next group may be restoring)
+                self._save(plan, ledger, next_step, state_, extras_)
+
+        host = PassHost(self._config, save=save, changed=changed,
                         on_commit=on_commit, before=before, record=record, snapshot_soon=plan.source != "fresh")
         run = Run(host, view=plan.view, mesh=mesh, state=state, start_step=start, extras=extras)
         del state
@@ -570,7 +574,9 @@ class SliceWorker:
             out.update(status="regroup", ledger=ledger.to_meta())
         finally:
             out["first_commit_at"] = first_commit[0] if first_commit else None
-            self._final = run.state
+            with self._lock:  # an abandoned pass (aborted) ends late: it must not replace a later pass's state
+                if not aborted.is_set():
+                    self._final = run.state
 
     def _loop_of(self, plan: GroupPlan) -> Callable[[Run], Any]:
         """The user's loop (sent once per job, as an object reference; kept here after the first pass)."""
