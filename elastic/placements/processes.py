@@ -103,6 +103,7 @@ class ProcessPlacement:
         self._incarnations: dict[int, int] = {}  # and their agent incarnations
         self._aborted_epoch = -1
         self._service: distributed.CoordinationService | None = None
+        self._died: set[int] = set()  # the members whose process died in the last _collect
         self._loop_ref: Any = None
         self._reached = -1  # the highest step any pass started (a drill's fault fires only past it)
         self._last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
@@ -156,6 +157,10 @@ class ProcessPlacement:
         try:
             results = self._collect(refs, timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
                                     what=f"group {plan.epoch} to form")
+        except jax.errors.JaxRuntimeError:
+            died = self._died & set(previous)  # a survivor of the last group died as this one formed
+            self.figures["survivors_lost"] += len(self._collateral(died - self._targeted(plan, died)))
+            raise
         finally:
             if old is not None:
                 old.stop()
@@ -517,6 +522,7 @@ class ProcessPlacement:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         out: dict[int, Any] = {}
         missing = []
+        self._died = set()
         for ref, s in refs.items():
             if ref not in ready:
                 missing.append(s)
@@ -525,6 +531,7 @@ class ProcessPlacement:
                 out[s] = ray.get(ref)
             except ray.exceptions.RayActorError:
                 missing.append(s)
+                self._died.add(s)
         if missing:
             raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: slice(s) {sorted(missing)} did not answer while waiting "
                                              f"for {what}")
