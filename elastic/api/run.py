@@ -102,7 +102,7 @@ class Run:
         self._pending: int | None = None
         self._steps_started = False
         self._data: dict[str, DataIterator] = {}
-        self._window = max(1, host.config.steps_in_flight)
+        self._window = max(1, host.config.in_flight)
         self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
 
     @property
@@ -149,7 +149,7 @@ class Run:
     def commit(self, state: Any, *, batch: int | None = None, **metrics: Any) -> None:
         """Commit the current step's new ``state`` (``batch``: the batch it consumed, default the step).
 
-        Returns without waiting for this step while fewer than ``config.steps_in_flight`` steps are unconfirmed
+        Returns without waiting for this step while fewer than ``config.in_flight`` steps are unconfirmed
         (the loop dispatches the next step while this one computes); steps are confirmed in order, each once its
         result is ready: recorded in the ledger and, when one is due, snapshotted (the commit of a step a
         snapshot follows waits for it). Raises the slice-loss error if a slice was lost meanwhile, and

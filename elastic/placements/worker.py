@@ -125,7 +125,6 @@ class SliceWorker:
         self._stop_beats = threading.Event()
         self._epoch = -1
         self._aborted = threading.Event()
-        self._pass_thread: threading.Thread | None = None  # the last pass's (an aborted one may still run)
         self._ended: threading.Event | None = None
         self._stop_at: dict[int, tuple[int, View]] = {}  # epoch -> (the step the group stops before, the new view)
         self._next_step = 0
@@ -254,7 +253,6 @@ class SliceWorker:
         start = time.monotonic()
         phases: dict[str, float] = {}
         self._holdings.end(keep_in_flight=plan.live)  # restoring an older step: the copy in flight is not wanted
-        phases["old_pass"] = self._await_abandoned_pass()
         if self._persistent is not None and distributed.joined():
             # An Orbax save of the old group may wait at a barrier for members that are gone: shut the old group's
             # client first (that wait fails now), let the save end while the old backend still answers it, then
@@ -304,22 +302,6 @@ class SliceWorker:
         out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
                    phases={k: round(v, 3) for k, v in phases.items()})
         return out
-
-    def _await_abandoned_pass(self) -> float:
-        """Until an aborted pass's thread has left its collective (seconds waited). No collective of the old group
-        may still be in flight when this process leaves it and joins the next: gloo's transport thread aborts the
-        process when bytes of one collective reach the pending receive of another. The thread ends on its own:
-        the dead peer's socket breaks its collective at once, a hung peer's within ``collective_timeout_s``."""
-        thread, self._pass_thread = self._pass_thread, None
-        if thread is None or not thread.is_alive():
-            return 0.0
-        start = time.monotonic()
-        bound = (self._config.processes.collective_timeout_s if self._config.processes else 5) + 5.0
-        thread.join(bound)
-        waited = time.monotonic() - start
-        if thread.is_alive():
-            self._log.warning("abandoned_pass_still_running", waited_s=round(waited, 2))
-        return waited
 
     def _phase(self, name: str, plan: GroupPlan) -> None:
         """A drill's faults placed in a re-formation (only for a process that has trained: ``_next_step`` > 0)."""
@@ -515,7 +497,6 @@ class SliceWorker:
         # The pass runs on its own thread so that abort() can end it while a collective is stuck on a dead peer
         # (gloo notices only on its timeout): that thread is abandoned, and ends by itself on the timeout.
         thread = threading.Thread(target=body, name=f"pass-{plan.epoch}", daemon=True)
-        self._pass_thread = thread
         thread.start()
         ended.wait()
         if aborted.is_set():

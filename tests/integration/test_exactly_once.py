@@ -38,7 +38,7 @@ def test_loss_bounded_by_steps_since_last_snapshot(ray_local, kill_at):
     # the steps committed since the snapshot, less the one still in flight when the slice died (steps_in_flight=2:
     # the kill strikes as step kill_at starts, before step kill_at - 1 was confirmed), are rolled back
     lost = kill_at - last_snapshot
-    assert lost - (job.config.steps_in_flight - 1) <= result.report.steps_recomputed <= lost <= 4, result.report
+    assert lost - (job.config.in_flight - 1) <= result.report.steps_recomputed <= lost <= 4, result.report
     restored = [e for e in job.timeline.events if e["event"] == "restored"]
     assert restored and restored[0]["step"] == last_snapshot
     np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(25, np.int32))

@@ -297,3 +297,14 @@ def test_snapshot_corrupt_error_fields():
 def test_error_hierarchy(err, bases):
     for b in bases:
         assert isinstance(err, b)
+
+
+def test_steps_in_flight_defaults_to_two_in_one_process_and_one_across_processes():
+    from elastic.config import Processes
+
+    assert ElasticConfig().in_flight == 2
+    assert ElasticConfig(processes=Processes()).in_flight == 1  # a step ahead collides with a broken collective
+    assert ElasticConfig(processes=Processes(), steps_in_flight=2).in_flight == 2
+    assert ElasticConfig(steps_in_flight=1).in_flight == 1
+    with pytest.raises(ConfigError, match="steps_in_flight"):
+        ElasticConfig(steps_in_flight=0)
