@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-import runtime  # noqa: E402
+from elastic import runtime  # noqa: E402
 
 BATCH = 48  # rows split over 8 devices
 LAYERS = 4

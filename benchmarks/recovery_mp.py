@@ -45,8 +45,8 @@ import ray  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from runtime import distributed  # noqa: E402
-from runtime.mesh import LOCAL_AXIS, batch_sharding, default_mesh  # noqa: E402
+from elastic.runtime import distributed  # noqa: E402
+from elastic.runtime.mesh import LOCAL_AXIS, batch_sharding, default_mesh  # noqa: E402
 
 __all__ = ["run", "main"]
 
@@ -281,7 +281,7 @@ def run(mib: int, kill_at: int, steps: int, repeats: int = 3) -> dict[str, Any]:
     trials = [{"resume_seconds": o["resume_seconds"], "baseline_resume_seconds": b["resume_seconds"],
                "speedup": round(b["resume_seconds"] / o["resume_seconds"], 2),
                "compile_share_of_resume": round(o["compile_seconds_on_recovery_path"] / o["resume_seconds"], 3)}
-              for o, b in zip(ours_runs, base_runs)]
+              for o, b in zip(ours_runs, base_runs, strict=True)]
     ours = dict(sorted(ours_runs, key=lambda o: o["resume_seconds"])[len(ours_runs) // 2])
     base = sorted(base_runs, key=lambda b: b["resume_seconds"])[len(base_runs) // 2]
     resume = ours.pop("resume_seconds")

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from snapshot import SnapshotConfig, Snapshotter  # noqa: E402
+from elastic.snapshot import SnapshotConfig, Snapshotter  # noqa: E402
 
 LEAVES = 8
 
@@ -136,7 +136,7 @@ def memcpy_gbps(total: int) -> float:
 def measure_keepers(image) -> dict:
     import ray
 
-    from snapshot.keeper import KeeperTier
+    from elastic.snapshot.keeper import KeeperTier
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

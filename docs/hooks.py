@@ -1,6 +1,6 @@
 """mkdocs hooks: a public name without a docstring fails ``mkdocs build --strict``; Sphinx roles are dropped.
 
-Public: each name in the ``__all__`` of ``elastic``, ``snapshot`` and ``runtime`` (classes, functions, modules),
+Public: each name in the ``__all__`` of ``elastic``, ``elastic.snapshot`` and ``elastic.runtime`` (classes, functions, modules),
 and the public methods and properties each such class defines itself. The reference pages render the same names.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger("mkdocs.hooks.docstrings")  # a warning under the "mkdocs" logger fails a strict build
 
-PACKAGES = ("elastic", "snapshot", "runtime")
+PACKAGES = ("elastic", "elastic.snapshot", "elastic.runtime")
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):(?=<code>)")  # a Sphinx role before a code span
 
 

@@ -1,13 +1,13 @@
 """The mechanics of devices: slices, meshes over the healthy ones, resharding, failure classification."""
-from runtime import hangs, simulated
-from runtime.batching import Chunk, plan_microbatches
-from runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
-from runtime.guard import StepHungError, guarded, wait_ready
-from runtime.health import SliceProbe, probe_slices, warm_probes
-from runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
-from runtime.reshard import StructureError, as_shardings, check_structure, reshard
-from runtime.standby import StandbyCompiler, mesh_key
-from runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
+from . import hangs, simulated
+from .batching import Chunk, plan_microbatches
+from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from .guard import StepHungError, guarded, wait_ready
+from .health import SliceProbe, probe_slices, warm_probes
+from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
+from .reshard import StructureError, as_shardings, check_structure, reshard
+from .standby import StandbyCompiler, mesh_key
+from .topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
 
 __all__ = (
     "Chunk", "FailureKind", "LOCAL_AXIS", "MeshFn", "REPLICA_AXIS", "Slice", "SliceProbe", "StepHungError",

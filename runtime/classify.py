@@ -7,7 +7,7 @@ import re
 
 import jax
 
-from runtime.guard import StepHungError
+from .guard import StepHungError
 
 __all__ = ["FailureKind", "classify_failure", "is_recoverable", "is_slice_loss"]
 

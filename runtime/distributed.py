@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.extend.backend
 
-from runtime.classify import FailureKind, classify_failure
+from .classify import FailureKind, classify_failure
 
 __all__ = ["CoordinationService", "collective_env", "disconnect", "free_port", "is_peer_loss", "join", "joined",
            "leave", "reform", "setup_process"]

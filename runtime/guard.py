@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from runtime import hangs, simulated
+from . import hangs, simulated
 
 __all__ = ["StepHungError", "guarded", "wait_ready"]
 

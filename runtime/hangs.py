@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from jax.sharding import SingleDeviceSharding
 
-from runtime import simulated
-from runtime.topology import Slice
+from . import simulated
+from .topology import Slice
 
 __all__ = ["abort", "arm", "attach", "blocked", "release_all"]
 

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime import simulated
-from runtime.classify import is_slice_loss
-from runtime.guard import StepHungError, wait_ready
-from runtime.topology import Slice
+from . import simulated
+from .classify import is_slice_loss
+from .guard import StepHungError, wait_ready
+from .topology import Slice
 
 __all__ = ["SliceProbe", "probe_slices", "warm_probes"]
 

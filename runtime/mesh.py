@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.topology import Slice
+from .topology import Slice
 
 __all__ = ["REPLICA_AXIS", "LOCAL_AXIS", "MeshFn", "build_mesh", "batch_sharding", "replicated"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from runtime.topology import Slice
+from .topology import Slice
 
 __all__ = ["kill_slice", "revive_slice", "dead_device_ids", "check_devices", "devices_of", "reset"]
 

@@ -1,6 +1,6 @@
 """The data plane for training state: host snapshots of sharded pytrees kept next to their shards.
 
-    from snapshot import Snapshotter, SnapshotConfig
+    from . import Snapshotter, SnapshotConfig
 
 ``Snapshotter`` is the in-memory tier (copies in the host memory of devices on distinct slices);
 ``snapshot.keeper.KeeperTier`` keeps copies in actors that outlive the client;
@@ -29,7 +29,7 @@ _WHERE = {
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'snapshot' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"snapshot.{_WHERE[name]}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
     globals()[name] = value
     return value
 

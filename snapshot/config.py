@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from snapshot.errors import SnapshotConfigError
+from .errors import SnapshotConfigError
 
 __all__ = ["Restored", "SnapshotConfig", "SnapshotInfo"]
 

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 from jax.sharding import SingleDeviceSharding
 
-from snapshot.image import aligned_empty, checksum
+from .image import aligned_empty, checksum
 
 __all__ = ["Copy", "DeviceEngine", "Engine", "HostEngine", "aligned_empty", "pick_engine"]
 

@@ -17,9 +17,9 @@ import numpy as np
 import structlog
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from snapshot.engine import Copy, Engine
-from snapshot.errors import SnapshotCorruptError, SnapshotUnavailableError
-from snapshot.image import HostImage, Index, LeafImage, Piece, checksum, meta_checksum, place, region, wrap_keys
+from .engine import Copy, Engine
+from .errors import SnapshotCorruptError, SnapshotUnavailableError
+from .image import HostImage, Index, LeafImage, Piece, checksum, meta_checksum, place, region, wrap_keys
 
 __all__ = ["Generation", "LeafRecord", "PieceRecord", "Guard", "reachable", "restore_generation", "to_image"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from snapshot.errors import SnapshotCorruptError, SnapshotStructureError
+from .errors import SnapshotCorruptError, SnapshotStructureError
 
 if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors holding images stay light
     import jax

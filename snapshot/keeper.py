@@ -26,9 +26,9 @@ import ray
 import structlog
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from snapshot.errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureError
-from snapshot.image import HostImage, Index, assemble
-from snapshot.seal import seal, sealed
+from .errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureError
+from .image import HostImage, Index, assemble
+from .seal import seal, sealed
 
 __all__ = ["Keeper", "KeeperTier"]
 

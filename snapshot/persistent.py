@@ -24,7 +24,7 @@ import structlog
 from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store  # pinned: orbax-checkpoint 0.12.8
 
-from snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
+from .errors import NoSnapshotError, SnapshotError, SnapshotStructureError
 
 __all__ = ["PersistentTier", "PersistentDirectoryError"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from snapshot.image import Index, region
+from .image import Index, region
 
 __all__ = ["CopyPlan", "LeafPlan", "PiecePlan", "SliceOf", "default_slice_of", "devices_by_slice", "plan_leaf"]
 

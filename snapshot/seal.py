@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from snapshot.image import HostImage
+from .image import HostImage
 
 __all__ = ["seal", "sealed"]
 

@@ -25,14 +25,14 @@ import numpy as np
 import structlog
 from jax.sharding import Sharding
 
-from snapshot.config import Restored, SnapshotConfig, SnapshotInfo
-from snapshot.engine import Copy, Engine, pick_engine
-from snapshot.errors import (NoSnapshotError, SnapshotConfigError, SnapshotCorruptError, SnapshotFailedError,
+from .config import Restored, SnapshotConfig, SnapshotInfo
+from .engine import Copy, Engine, pick_engine
+from .errors import (NoSnapshotError, SnapshotConfigError, SnapshotCorruptError, SnapshotFailedError,
                              SnapshotStructureError, SnapshotUnavailableError)
-from snapshot.generation import Generation, Guard, PieceRecord, reachable, restore_generation, to_image
-from snapshot.image import HostImage
-from snapshot.plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
-from snapshot.staged import StagedRequest, restore_staged
+from .generation import Generation, Guard, PieceRecord, reachable, restore_generation, to_image
+from .image import HostImage
+from .plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
+from .staged import StagedRequest, restore_staged
 
 __all__ = ["Restored", "SnapshotConfig", "SnapshotInfo", "Snapshotter"]
 

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from snapshot.errors import SnapshotUnavailableError
-from snapshot.generation import Generation, Guard, LeafRecord, PieceRecord, reachable
-from snapshot.image import Index, fresh_shards, meta_checksum, region, wrap_keys
-from snapshot.plan import LeafPlan
+from .errors import SnapshotUnavailableError
+from .generation import Generation, Guard, LeafRecord, PieceRecord, reachable
+from .image import Index, fresh_shards, meta_checksum, region, wrap_keys
+from .plan import LeafPlan
 
 __all__ = ["StagedLeaf", "StagedRequest", "restore_staged"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snapshot.snapshotter import Snapshotter
+from .snapshotter import Snapshotter
 
 __all__ = ["copies_of", "flip_byte"]
 

@@ -17,7 +17,7 @@ import ray
 import structlog
 from jax.sharding import Mesh
 
-import runtime
+from elastic import runtime
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup, connect, job_token
 from elastic.config import ElasticConfig, check_batch_splits
@@ -37,7 +37,7 @@ from elastic.api.run import Run
 from elastic.api.shardings import check_splits, replicate_all, state_shardings
 from elastic.control.tiers import TierSet
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
-from snapshot import SnapshotInfo
+from elastic.snapshot import SnapshotInfo
 
 __all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
 
@@ -212,7 +212,7 @@ class ElasticJob:
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
-                from snapshot.keeper import KeeperTier
+                from elastic.snapshot.keeper import KeeperTier
 
                 keeper = derive(token, "keeper")
                 self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(

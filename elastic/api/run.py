@@ -26,7 +26,7 @@ from elastic.config import ElasticConfig, check_batch_splits
 from elastic.api.data import DataIterator, Source, open_data, record_positions
 from elastic.errors import ConfigError
 from elastic.supervision.membership import View
-from runtime import batch_sharding, guarded, hangs, wait_ready
+from elastic.runtime import batch_sharding, guarded, hangs, wait_ready
 
 __all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
 

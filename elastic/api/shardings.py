@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-import runtime
+from elastic import runtime
 from elastic.errors import ConfigError
 
 __all__ = ["ShardingsFn", "check_splits", "replicate_all", "state_shardings"]

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-import runtime
+from elastic import runtime
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
 from elastic.api.job import ElasticJob, FaultPlan, JobResult, ShardingsFn, StepCallback

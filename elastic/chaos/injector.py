@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-import runtime
+from elastic import runtime
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
 from elastic.chaos.faults import Fault, Faults
 from elastic.control.watcher import ViewWatcher
 from elastic.errors import RecoveryTimeoutError
 from elastic.log import get_logger
-from snapshot import Snapshotter
+from elastic.snapshot import Snapshotter
 
 if TYPE_CHECKING:
     from elastic.api.job import ElasticJob

@@ -22,7 +22,7 @@ from typing import Any, cast
 import jax
 from jax.sharding import Mesh
 
-import runtime
+from elastic import runtime
 from elastic.api.run import LiveState, Regroup, Run
 from elastic.config import ElasticConfig
 from elastic.supervision.membership import View

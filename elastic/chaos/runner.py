@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import runtime
+from elastic import runtime
 from elastic.chaos.catalogue import HANG_STEP_TIMEOUT_S, JobShape, Schedule, applicable, schedule
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.chaos.seams import Seams
@@ -34,7 +34,7 @@ from elastic.api.job import ElasticJob
 from elastic.chaos.invariants import RunRecord, check
 from elastic.log import get_logger
 from elastic.chaos.injector import snapshotter_of
-from snapshot import NoSnapshotError
+from elastic.snapshot import NoSnapshotError
 
 __all__ = ["ChaosRunner", "Target", "load_target"]
 

@@ -21,7 +21,7 @@ from elastic.api.job import ElasticJob
 from elastic.log import get_logger
 from elastic.api.run import Run
 from elastic.chaos.injector import FaultInjector, snapshotter_of
-from snapshot.testing import flip_byte
+from elastic.snapshot.testing import flip_byte
 
 __all__ = ["Seams"]
 

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import ray
 
-import runtime
+from elastic import runtime
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup

@@ -16,12 +16,12 @@ from typing import Any
 
 import jax
 
-import runtime
+from elastic import runtime
 from elastic.config import ElasticConfig
 from elastic.errors import ElasticError
 from elastic.log import get_logger
 from elastic.control.report import Report
-from snapshot import (NoSnapshotError, Restored, SnapshotConfig, SnapshotCorruptError, SnapshotFailedError,
+from elastic.snapshot import (NoSnapshotError, Restored, SnapshotConfig, SnapshotCorruptError, SnapshotFailedError,
                       SnapshotInfo, Snapshotter, SnapshotUnavailableError, restore_image)
 
 __all__ = ["TierSet"]
@@ -58,7 +58,7 @@ class TierSet:
         timeline event, and restore goes on to the next keeper or tier)."""
         tiers = self._config.tiers
         if tiers.keeper_every and self._keepers is None:
-            from snapshot.keeper import KeeperTier
+            from elastic.snapshot.keeper import KeeperTier
 
             from elastic.supervision.credential import derive
 
@@ -68,7 +68,7 @@ class TierSet:
                 image_key=None if token is None else derive(token, "image"), on_refused=self._refused)
             self._keepers.start()
         if tiers.persistent_dir is not None and self._persistent is None:
-            from snapshot.persistent import PersistentTier
+            from elastic.snapshot.persistent import PersistentTier
 
             self._persistent = PersistentTier(tiers.persistent_dir, every=tiers.persistent_every,
                                               job=self._config.job_name)

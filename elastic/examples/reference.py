@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-import runtime
+from elastic import runtime
 from elastic.api.job import ElasticJob
 from elastic.api.run import Run
 
@@ -75,7 +75,7 @@ class ReferenceProcess:
     """One plain process of the multi-process reference (a Ray actor, set up like a worker)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        from runtime import distributed
+        from elastic.runtime import distributed
 
         distributed.setup_process(env)
 
@@ -83,7 +83,7 @@ class ReferenceProcess:
             mesh_fn: Any, steps: list[int], step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
         from jax.experimental import multihost_utils
 
-        from runtime import distributed
+        from elastic.runtime import distributed
 
         distributed.reform(address, size, index)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -127,7 +127,7 @@ def run_reference_processes(job: ElasticJob, placements: Placements,
     import ray
 
     from elastic.control.cluster import connect
-    from runtime import distributed
+    from elastic.runtime import distributed
 
     connect()
     steps = range(job.config.num_steps)

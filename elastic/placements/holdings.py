@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotter
-from snapshot.image import Index, assemble, meta_checksum
-from snapshot.errors import SnapshotStructureError
+from elastic.snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotter
+from elastic.snapshot.image import Index, assemble, meta_checksum
+from elastic.snapshot.errors import SnapshotStructureError
 
 __all__ = ["Holdings", "common_step", "holders_of", "regions_of", "select"]
 
@@ -38,7 +38,7 @@ def holders_of(state_leaves: Sequence[Any]) -> list[dict[Index, tuple[int, ...]]
     """For each leaf: each region (as stored: a typed key's key data), and the processes whose devices hold it."""
     import jax
 
-    from snapshot.image import region
+    from elastic.snapshot.image import region
 
     out = []
     for leaf in state_leaves:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-import runtime
+from elastic import runtime
 from elastic.api.run import LiveState, Regroup, Run
 from elastic.config import ElasticConfig
 from elastic.control.pass_host import PassHost

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import ray
 
-import runtime
+from elastic import runtime
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
@@ -39,7 +39,7 @@ from elastic.placements.holdings import common_step
 from elastic.placements.standby import StandbyGroup
 from elastic.placements.worker import GroupPlan, SliceWorker, WorkerSpec
 from elastic.supervision.membership import View
-from runtime import distributed
+from elastic.runtime import distributed
 
 __all__ = ["ProcessPlacement", "WorkerProcesses", "process_env"]
 

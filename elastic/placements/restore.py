@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from snapshot.errors import SnapshotStructureError
-from snapshot.image import Index, assemble, owned_copy, region, wrap_keys
+from elastic.snapshot.errors import SnapshotStructureError
+from elastic.snapshot.image import Index, assemble, owned_copy, region, wrap_keys
 
 __all__ = ["Layout", "layout_of", "restore_state"]
 

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from elastic.log import get_logger
-from runtime import distributed
+from elastic.runtime import distributed
 
 __all__ = ["StandbyGroup", "StandbyProcess"]
 
@@ -46,7 +46,7 @@ class StandbyProcess:
         import cloudpickle
         import jax
 
-        import runtime
+        from elastic import runtime
 
         start = time.monotonic()
         distributed.reform(address, size, index, timeout_s=rendezvous_timeout_s)

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import ray
 
-import runtime
+from elastic import runtime
 from elastic.api.run import Regroup, Run
 from elastic.api.shardings import replicate_all, state_shardings
 from elastic.config import ElasticConfig
@@ -39,7 +39,7 @@ from elastic.log import get_logger
 from elastic.placements.holdings import Holdings, holders_of, select
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.supervision.membership import View
-from runtime import distributed
+from elastic.runtime import distributed
 
 __all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
 
@@ -333,7 +333,7 @@ class SliceWorker:
         step = plan.step
         assert step is not None
         if plan.source == "persistent":
-            from snapshot.persistent import PersistentTier
+            from elastic.snapshot.persistent import PersistentTier
 
             tier = PersistentTier(self._config.tiers.persistent_dir, every=self._config.tiers.persistent_every,  # type: ignore[arg-type]
                                   job=self._config.job_name)
@@ -398,7 +398,7 @@ class SliceWorker:
         if not self._spec.keepers:
             return None
         if self._keepers is None:
-            from snapshot.keeper import KeeperTier
+            from elastic.snapshot.keeper import KeeperTier
 
             self._keepers = KeeperTier.attach(self._config.namespace, credential=self._spec.keeper_credential)
         return self._keepers
@@ -433,7 +433,7 @@ class SliceWorker:
         process_of = {d.id: d.process_index for d in mesh.devices.flat}
         self._holdings.begin(lambda d: process_of.get(d.id, d.process_index), send, state)
         if self._config.tiers.persistent_dir is not None:
-            from snapshot.persistent import PersistentTier
+            from elastic.snapshot.persistent import PersistentTier
 
             self._persistent = PersistentTier(self._config.tiers.persistent_dir,
                                               every=self._config.tiers.persistent_every, job=self._config.job_name)
@@ -605,7 +605,7 @@ class SliceWorker:
         state = getattr(self, "_final", None)
         if state is None:
             return {"layout": [], "pieces": []}
-        from snapshot.image import region
+        from elastic.snapshot.image import region
 
         leaves = jax.tree_util.tree_leaves(state)
         out = []

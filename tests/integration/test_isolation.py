@@ -23,8 +23,8 @@ from elastic.ops.runs import open_run
 from elastic.supervision import events
 from elastic.supervision.credential import derive
 from elastic.supervision.supervisor import SUPERVISOR_NAME
-from snapshot.image import checksum, meta_checksum
-from snapshot.keeper import KeeperTier
+from elastic.snapshot.image import checksum, meta_checksum
+from elastic.snapshot.keeper import KeeperTier
 
 from .helpers import config, max_abs_diff, trainer
 from .test_keeper import make_image

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import ray
 
-from snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
-from snapshot.keeper import Keeper, KeeperTier, _private_copy
+from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
+from elastic.snapshot.keeper import Keeper, KeeperTier, _private_copy
 
 pytestmark = pytest.mark.integration
 
@@ -143,7 +143,7 @@ def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local):
 
 DRIVER = """
 import os, signal, ray
-from snapshot.keeper import KeeperTier
+from elastic.snapshot.keeper import KeeperTier
 from tests.integration.test_keeper import make_image
 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
 tier = KeeperTier({namespace!r}, num_keepers=2).start()
@@ -158,7 +158,7 @@ def test_images_outlive_a_sigkilled_client_and_restore_onto_a_mesh(ray_local):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from snapshot.image import restore_image
+    from elastic.snapshot.image import restore_image
 
     namespace = f"keeper-test-orphan-{os.getpid()}"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from runtime import distributed
+from elastic.runtime import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +73,7 @@ _MEMBER = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from runtime import distributed
+    from elastic.runtime import distributed
     pid0 = os.getpid()
     for address in sys.argv[2:]:
         distributed.reform(address, 2, int(sys.argv[1]))
@@ -107,7 +107,7 @@ _LONELY = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp
-    from runtime import distributed
+    from elastic.runtime import distributed
     start = time.monotonic()
     try:
         distributed.reform(sys.argv[1], 2, 0, timeout_s=2)  # the other member never comes

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import io_callback
 
 from elastic import ElasticError, Faults, Run
-from runtime import hangs
+from elastic.runtime import hangs
 
 from .helpers import ledger_job
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.batching import Chunk, plan_microbatches
+from elastic.runtime.batching import Chunk, plan_microbatches
 
 PLANS = [
     # (global batch, devices, expected chunks as (start, size, sharded))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax
 import pytest
 
-from runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
-from runtime.guard import StepHungError
+from elastic.runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from elastic.runtime.guard import StepHungError
 
 Jre = jax.errors.JaxRuntimeError
 LOSS, HUNG, OTHER = FailureKind.SLICE_LOSS, FailureKind.HUNG, FailureKind.OTHER

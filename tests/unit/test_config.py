@@ -10,10 +10,10 @@ import pytest
 from elastic.config import ElasticConfig, Policy, Tiers, check_batch_splits
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError, SupervisorError
 from elastic.api.run import batch_rows
-from runtime.guard import StepHungError
-from runtime.reshard import StructureError
-from runtime.topology import TopologyError
-from snapshot.errors import NoSnapshotError, SnapshotCorruptError, SnapshotError, SnapshotStructureError
+from elastic.runtime.guard import StepHungError
+from elastic.runtime.reshard import StructureError
+from elastic.runtime.topology import TopologyError
+from elastic.snapshot.errors import NoSnapshotError, SnapshotCorruptError, SnapshotError, SnapshotStructureError
 
 # (id, kwargs, words the message must hold: the field and what to do or what was wrong)
 POLICY_BAD = [

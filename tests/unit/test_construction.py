@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import elastic.api.job
 from elastic import ConfigError, ElasticConfig, ElasticJob, Policy, Run, Trainer, View, optax_step
-from runtime import simulated_topology
-from runtime.mesh import build_mesh
+from elastic.runtime import simulated_topology
+from elastic.runtime.mesh import build_mesh
 
 
 def _config(**overrides) -> ElasticConfig:

@@ -14,8 +14,8 @@ from elastic import ElasticConfig, Policy, Run
 from elastic.api.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
 from elastic.errors import ConfigError, ElasticError
 from elastic.supervision.membership import View
-from runtime import build_mesh, simulated_topology
-from snapshot.persistent import _decode, _encode
+from elastic.runtime import build_mesh, simulated_topology
+from elastic.snapshot.persistent import _decode, _encode
 
 
 class _Source:

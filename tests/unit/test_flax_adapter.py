@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from elastic import ConfigError, ElasticConfig, Policy, Run, View
 from elastic.api.flax_linen import LinenAdapter
 from elastic.api.flax_nnx import NnxAdapter
-from runtime import batch_sharding, build_mesh, simulated_topology
+from elastic.runtime import batch_sharding, build_mesh, simulated_topology
 
 P = PartitionSpec
 IS_SPEC = lambda x: isinstance(x, PartitionSpec)  # noqa: E731

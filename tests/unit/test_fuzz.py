@@ -15,9 +15,9 @@ from elastic.cli import main
 from elastic.config import ElasticConfig, Policy
 from elastic.errors import ConfigError
 from elastic.supervision import events
-from snapshot.errors import SnapshotCorruptError
-from snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
-from snapshot.seal import seal, sealed
+from elastic.snapshot.errors import SnapshotCorruptError
+from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
+from elastic.snapshot.seal import seal, sealed
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEY = "k" * 64

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
-from snapshot.persistent import PersistentDirectoryError, PersistentTier
+from elastic.snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
+from elastic.snapshot.persistent import PersistentDirectoryError, PersistentTier
 
 SPECS = {"w": P("replica", "local"), "r": P(), "h": P("replica"), "n": P(), "keys": P("replica"),
          "opt": (P("local"), [P()])}

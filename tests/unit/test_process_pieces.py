@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import runtime
+from elastic import runtime
 from elastic.config import ElasticConfig, Processes
 from elastic.errors import ConfigError
 from elastic.placements.holdings import Holdings, common_step, regions_of
 from elastic.placements.restore import layout_of, restore_state
-from snapshot import HostImage
-from snapshot.image import LeafImage, Piece, checksum
-from snapshot.keeper import _covers
+from elastic.snapshot import HostImage
+from elastic.snapshot.image import LeafImage, Piece, checksum
+from elastic.snapshot.keeper import _covers
 
 
 W = 1  # the leaf index of "w" (leaves in key order: "k", "w")

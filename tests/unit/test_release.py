@@ -64,3 +64,28 @@ def test_every_public_name_has_a_docstring():
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
     assert hooks.missing_docstrings() == []
+
+
+def test_one_installed_name_elastic_with_snapshot_and_runtime_under_it():
+    """The wheel's packages (setuptools' discovery as pyproject configures it): elastic and its subpackages only,
+    the repository's snapshot/ and runtime/ as elastic.snapshot and elastic.runtime (the links under elastic/)."""
+    from setuptools import find_packages
+
+    found = set(find_packages(str(ROOT), **PYPROJECT["tool"]["setuptools"]["packages"]["find"]))
+    assert {"elastic", "elastic.snapshot", "elastic.runtime"} <= found
+    assert all(p == "elastic" or p.startswith("elastic.") for p in found), sorted(found)
+    for package in ("snapshot", "runtime"):
+        link = ROOT / "elastic" / package
+        assert link.is_symlink() and link.resolve() == (ROOT / package).resolve()
+
+
+def test_outside_the_checkout_only_elastic_imports():
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, elastic.snapshot, elastic.runtime\n"
+            "print(importlib.util.find_spec('snapshot'), importlib.util.find_spec('runtime'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "None"], out.stdout

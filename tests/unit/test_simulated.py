@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import runtime
-from runtime import simulated
-from runtime.topology import simulated_topology
+from elastic import runtime
+from elastic.runtime import simulated
+from elastic.runtime.topology import simulated_topology
 
 
 @pytest.fixture

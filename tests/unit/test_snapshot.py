@@ -17,11 +17,11 @@ import pytest
 import structlog.testing
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import runtime
-from snapshot import (HostImage, NoSnapshotError, SnapshotConfig, SnapshotConfigError, SnapshotCorruptError,
+from elastic import runtime
+from elastic.snapshot import (HostImage, NoSnapshotError, SnapshotConfig, SnapshotConfigError, SnapshotCorruptError,
                       SnapshotFailedError, Snapshotter, SnapshotStructureError, SnapshotUnavailableError,
                       restore_image)
-from snapshot.testing import copies_of, flip_byte
+from elastic.snapshot.testing import copies_of, flip_byte
 
 ENGINES = ("host", "device")
 TOPOLOGY = runtime.simulated_topology(4, 2)

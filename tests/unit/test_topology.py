@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, batch_sharding, build_mesh, replicated
-from runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
+from elastic.runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, batch_sharding, build_mesh, replicated
+from elastic.runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from elastic import ConfigError, ElasticConfig, Policy, Trainer  # noqa: E402
 from elastic.api.trainer import StepRunner, example_keys, optax_step  # noqa: E402
-from runtime import build_mesh, plan_microbatches, replicated, simulated_topology  # noqa: E402
+from elastic.runtime import build_mesh, plan_microbatches, replicated, simulated_topology  # noqa: E402
 
 IN, HIDDEN, ROWS = 8, 16, 32  # 32 rows: whole on 8 devices, 30 + 2 on 6
 GRAD_TOL = 1e-6  # float32, summation order only: measured max |diff| ~1e-7 (see elastic/trainer.py)

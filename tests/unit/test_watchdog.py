@@ -12,9 +12,9 @@ import pytest
 from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import runtime
-from runtime import FailureKind, StepHungError, classify_failure, hangs, is_recoverable, simulated
-from runtime.topology import simulated_topology
+from elastic import runtime
+from elastic.runtime import FailureKind, StepHungError, classify_failure, hangs, is_recoverable, simulated
+from elastic.runtime.topology import simulated_topology
 
 pytestmark = pytest.mark.timeout(60)
 
