@@ -21,6 +21,7 @@ test: lint docs
 
 lint: $(STAMP)  # ruff's lint rules and mypy, as configured in pyproject.toml
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 docs: $(STAMP)  # the docs site into site/; --strict: a broken link or a public name without a docstring fails

@@ -34,6 +34,7 @@
 * ``fleet_model``: the same figures at 16,384 chips by a Young-Daly style estimate, assumptions as fields
   (the measured recovery, grow and restart seconds scaled by stated factors).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,11 @@ LEARNING_RATE = 1e-3
 def make_model(hidden: int):
     def init(key):
         k1, k2, k3 = jax.random.split(key, 3)
-        return {"w1": jax.random.normal(k1, (IN, hidden)) * 0.05, "w2": jax.random.normal(k2, (hidden, hidden)) * 0.05,
-                "w3": jax.random.normal(k3, (hidden, 1)) * 0.05}
+        return {
+            "w1": jax.random.normal(k1, (IN, hidden)) * 0.05,
+            "w2": jax.random.normal(k2, (hidden, hidden)) * 0.05,
+            "w3": jax.random.normal(k3, (hidden, 1)) * 0.05,
+        }
 
     def loss(params, data):
         h = jnp.tanh(jnp.tanh(data["x"] @ params["w1"]) @ params["w2"])
@@ -96,8 +100,9 @@ class Event:
     slice: int
 
 
-def make_schedule(*, steps: int, num_slices: int, min_slices: int, mtbf_steps: float, repair_steps: int,
-                  seed: int) -> tuple[list[Event], int]:
+def make_schedule(
+    *, steps: int, num_slices: int, min_slices: int, mtbf_steps: float, repair_steps: int, seed: int
+) -> tuple[list[Event], int]:
     """Seeded kills (exponential inter-arrival, mean ``mtbf_steps``) and revives ``repair_steps`` later;
     at most one event per step, never below ``min_slices`` live. Returns the events and the failures dropped."""
     rng = np.random.default_rng(seed)
@@ -129,6 +134,7 @@ def make_schedule(*, steps: int, num_slices: int, min_slices: int, mtbf_steps: f
 def goodput_of(commits: list[tuple[int, float, int, Any]], steps: int, every: int) -> dict[str, Any]:
     """Goodput from ``commits``: (step, wall time, devices, pass id) in commit order, failed lineages
     included; ``every``: the snapshot or checkpoint interval. Lost time is split by cause."""
+
     def steady(a: tuple, b: tuple) -> bool:  # b follows a in the same process and pass, on the same mesh
         return b[0] == a[0] + 1 and b[2] == a[2] and b[3] == a[3]
 
@@ -168,14 +174,17 @@ def goodput_of(commits: list[tuple[int, float, int, Any]], steps: int, every: in
     lost["snapshot_or_checkpoint"] -= shift
     lost["step_time_variance"] += shift
     wall = commits[final[steps - 1]][1] - commits[first][1]
-    return {"goodput": round(useful / wall, 4),
-            "goodput_less_step_noise": round(useful / (wall - lost["step_time_variance"]), 4),
-            "wall_seconds": round(wall, 3),
-            "committed_step_seconds": round(useful, 3),
-            "lost_seconds": {k: round(v, 3) for k, v in lost.items()},
-            "median_step_s": {f"{n}_devices": round(m, 4) for n, m in sorted(median.items(), reverse=True)},
-            "steps_executed": len(commits), "steps_recomputed": len(commits) - steps,
-            "grow_pause_seconds": grow_pause}
+    return {
+        "goodput": round(useful / wall, 4),
+        "goodput_less_step_noise": round(useful / (wall - lost["step_time_variance"]), 4),
+        "wall_seconds": round(wall, 3),
+        "committed_step_seconds": round(useful, 3),
+        "lost_seconds": {k: round(v, 3) for k, v in lost.items()},
+        "median_step_s": {f"{n}_devices": round(m, 4) for n, m in sorted(median.items(), reverse=True)},
+        "steps_executed": len(commits),
+        "steps_recomputed": len(commits) - steps,
+        "grow_pause_seconds": grow_pause,
+    }
 
 
 # -- ours ---------------------------------------------------------------------------------------------------
@@ -187,13 +196,23 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
     for e in schedule:
         (faults.kill_slice if e.kind == "kill" else faults.revive_slice)(e.slice, at_step=e.step)
     commits: list[tuple[int, float, int, Any]] = []
-    config = ElasticConfig(job_name="goodput", num_slices=args.num_slices, devices_per_slice=DEVICES_PER_SLICE,
-                           num_steps=args.steps, snapshot_every=args.snapshot_every, seed=args.seed,
-                           policy=Policy(min_slices=args.min_slices))
-    trainer = Trainer(init_fn=init, step_fn=optax_step(loss, optax.adam(LEARNING_RATE)), batch_fn=batch,
-                      config=config, faults=faults,
-                      on_step=lambda step, m, run: commits.append((step, time.time(), run.num_devices,
-                                                                   (run.epoch, run.start_step))))
+    config = ElasticConfig(
+        job_name="goodput",
+        num_slices=args.num_slices,
+        devices_per_slice=DEVICES_PER_SLICE,
+        num_steps=args.steps,
+        snapshot_every=args.snapshot_every,
+        seed=args.seed,
+        policy=Policy(min_slices=args.min_slices),
+    )
+    trainer = Trainer(
+        init_fn=init,
+        step_fn=optax_step(loss, optax.adam(LEARNING_RATE)),
+        batch_fn=batch,
+        config=config,
+        faults=faults,
+        on_step=lambda step, m, run: commits.append((step, time.time(), run.num_devices, (run.epoch, run.start_step))),
+    )
     trainer.job.start()
     if not args.blocking_revive:  # a repaired slice's agent comes up on its own host, not in our loop
         group = trainer.job.group
@@ -207,20 +226,26 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
     result = trainer.fit()
     report = result.report
     timeline = report.timeline
-    grows = [round(next(b["t"] for b in timeline[i:] if b["event"] == "grow") - a["t"], 3)
-             for i, a in enumerate(timeline) if a["event"] == "inject_revive"
-             and any(b["event"] == "grow" for b in timeline[i:])]
+    grows = [
+        round(next(b["t"] for b in timeline[i:] if b["event"] == "grow") - a["t"], 3)
+        for i, a in enumerate(timeline)
+        if a["event"] == "inject_revive" and any(b["event"] == "grow" for b in timeline[i:])
+    ]
     out = goodput_of(commits, args.steps, args.snapshot_every)
     snaps = max(report.snapshots_taken, 1)
-    out.update({
-        "recoveries": report.recoveries, "grows": report.grows,
-        "recovery_seconds": report.recovery_seconds,  # failure -> first step on the survivors
-        "revive_to_grow_seconds": grows,  # the loop keeps stepping meanwhile
-        "duplicate_steps": report.duplicate_steps, "skipped_steps": report.skipped_steps,
-        "snapshots_taken": report.snapshots_taken,
-        "snapshot_blocking_s_mean": round(report.snapshot_blocking_seconds / snaps, 5),
-        "final_loss": report.final_loss,
-    })
+    out.update(
+        {
+            "recoveries": report.recoveries,
+            "grows": report.grows,
+            "recovery_seconds": report.recovery_seconds,  # failure -> first step on the survivors
+            "revive_to_grow_seconds": grows,  # the loop keeps stepping meanwhile
+            "duplicate_steps": report.duplicate_steps,
+            "skipped_steps": report.skipped_steps,
+            "snapshots_taken": report.snapshots_taken,
+            "snapshot_blocking_s_mean": round(report.snapshot_blocking_seconds / snaps, 5),
+            "final_loss": report.final_loss,
+        }
+    )
     return out
 
 
@@ -228,7 +253,8 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
 def child_main(args: argparse.Namespace) -> None:
     """One process of the restart-based job: restore (or init), compile, train to ``--stop-at``."""
     import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     t_imported = time.time()
     emit = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
@@ -246,8 +272,9 @@ def child_main(args: argparse.Namespace) -> None:
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
-    manager = ocp.CheckpointManager(args.ckpt_dir, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, enable_async_checkpointing=True))
+    manager = ocp.CheckpointManager(
+        args.ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+    )
     start = manager.latest_step()
     if start is None:
         start = 0
@@ -296,10 +323,27 @@ def run_baseline(args: argparse.Namespace, schedule: list[Event]) -> dict[str, A
         stops = [*schedule, None]
         prev_end: float | None = None
         for i, stop in enumerate(stops):
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--slices", ",".join(map(str, sorted(live))),
-                   "--ckpt-dir", os.path.join(tmp, "ckpt"), "--steps", str(args.steps), "--hidden", str(args.hidden),
-                   "--seed", str(args.seed), "--checkpoint-every", str(args.checkpoint_every),
-                   "--stop-at", str(stop.step if stop else -1), "--stop-mode", stop.kind if stop else "none"]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                "--slices",
+                ",".join(map(str, sorted(live))),
+                "--ckpt-dir",
+                os.path.join(tmp, "ckpt"),
+                "--steps",
+                str(args.steps),
+                "--hidden",
+                str(args.hidden),
+                "--seed",
+                str(args.seed),
+                "--checkpoint-every",
+                str(args.checkpoint_every),
+                "--stop-at",
+                str(stop.step if stop else -1),
+                "--stop-mode",
+                stop.kind if stop else "none",
+            ]
             t_spawn = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -309,11 +353,16 @@ def run_baseline(args: argparse.Namespace, schedule: list[Event]) -> dict[str, A
             steps_here = [x for x in lines if "step" in x and "event" not in x]
             ready = next(x for x in lines if x.get("event") == "ready")
             if prev_end is not None:  # how this restart spent its time, from the previous process's end
-                restarts.append({"after": stops[i - 1].kind, "restored_step": ready["start"],
-                                 "end_to_first_step_s": round(steps_here[0]["t"] - prev_end, 3),
-                                 "spawn_and_import_s": round(ready["imported"] - t_spawn, 3),
-                                 "restore_s": round(ready["restored"] - ready["imported"], 3),
-                                 "compile_and_first_step_s": round(steps_here[0]["t"] - ready["restored"], 3)})
+                restarts.append(
+                    {
+                        "after": stops[i - 1].kind,
+                        "restored_step": ready["start"],
+                        "end_to_first_step_s": round(steps_here[0]["t"] - prev_end, 3),
+                        "spawn_and_import_s": round(ready["imported"] - t_spawn, 3),
+                        "restore_s": round(ready["restored"] - ready["imported"], 3),
+                        "compile_and_first_step_s": round(steps_here[0]["t"] - ready["restored"], 3),
+                    }
+                )
             commits += [(x["step"], x["t"], x["n"], i) for x in steps_here]
             end = lines[-1]
             prev_end = end["t"]
@@ -323,23 +372,40 @@ def run_baseline(args: argparse.Namespace, schedule: list[Event]) -> dict[str, A
             if stop is not None:
                 (live.discard if stop.kind == "kill" else live.add)(stop.slice)
     out = goodput_of(commits, args.steps, args.checkpoint_every)
-    out.update({
-        "restarts": len(restarts),
-        "restart_seconds": [r["end_to_first_step_s"] for r in restarts],  # previous process gone -> first step
-        "restart_parts_median_s": {k: round(float(np.median([r[k] for r in restarts])), 3) for k in
-                                   ("spawn_and_import_s", "restore_s", "compile_and_first_step_s")} if restarts else {},
-        "restored_steps": [r["restored_step"] for r in restarts],
-        "checkpoint_blocking_s_mean": round(save_block / max(saves, 1), 5),
-        "final_loss": final_loss,
-    })
+    out.update(
+        {
+            "restarts": len(restarts),
+            "restart_seconds": [r["end_to_first_step_s"] for r in restarts],  # previous process gone -> first step
+            "restart_parts_median_s": {
+                k: round(float(np.median([r[k] for r in restarts])), 3)
+                for k in ("spawn_and_import_s", "restore_s", "compile_and_first_step_s")
+            }
+            if restarts
+            else {},
+            "restored_steps": [r["restored_step"] for r in restarts],
+            "checkpoint_blocking_s_mean": round(save_block / max(saves, 1), 5),
+            "final_loss": final_loss,
+        }
+    )
     return out
 
 
 # -- at fleet scale -------------------------------------------------------------------------------------------
-def fleet_model(*, ours_recovery_s: float, ours_grow_s: float, ours_snapshot_s: float, restart_s: float,
-                checkpoint_s: float, interval_steps: int, chips: int = 16384, chips_per_slice: int = 256,
-                chip_mtbf_h: float = 50_000.0, step_s: float = 5.0, recovery_scale: float = 30.0,
-                restart_scale: float = 60.0) -> dict[str, Any]:
+def fleet_model(
+    *,
+    ours_recovery_s: float,
+    ours_grow_s: float,
+    ours_snapshot_s: float,
+    restart_s: float,
+    checkpoint_s: float,
+    interval_steps: int,
+    chips: int = 16384,
+    chips_per_slice: int = 256,
+    chip_mtbf_h: float = 50_000.0,
+    step_s: float = 5.0,
+    recovery_scale: float = 30.0,
+    restart_scale: float = 60.0,
+) -> dict[str, Any]:
     """Young-Daly style: lost fraction ~= save cost / interval + (recovery + interval/2) / MTBF of the job."""
     mtbf_s = chip_mtbf_h * 3600 / chips  # any chip failing takes its slice, and with it the step, down
     interval_s = interval_steps * step_s
@@ -352,17 +418,25 @@ def fleet_model(*, ours_recovery_s: float, ours_grow_s: float, ours_snapshot_s: 
     base = lost(base_r, base_r, checkpoint_s)  # restart onto the survivors, and again to grow back
     spares = lost(base_r, 0.0, checkpoint_s)  # with a hot spare slice: one restart, at full size
     return {
-        "chips": chips, "chips_per_slice": chips_per_slice, "slices": chips // chips_per_slice,
-        "chip_mtbf_hours": chip_mtbf_h, "chip_mtbf_basis": "about 419 interruptions in 54 days on 16,384 H100s "
+        "chips": chips,
+        "chips_per_slice": chips_per_slice,
+        "slices": chips // chips_per_slice,
+        "chip_mtbf_hours": chip_mtbf_h,
+        "chip_mtbf_basis": "about 419 interruptions in 54 days on 16,384 H100s "
         "(Llama 3 report), i.e. one every ~3 h, or ~50,000 h per chip",
-        "job_mtbf_hours": round(mtbf_s / 3600, 3), "failures_per_day": round(86400 / mtbf_s, 2),
-        "step_seconds": step_s, "interval_steps": interval_steps, "interval_seconds": interval_s,
-        "ours_recovery_seconds": round(ours_r, 2), "ours_grow_seconds": round(ours_g, 2),
+        "job_mtbf_hours": round(mtbf_s / 3600, 3),
+        "failures_per_day": round(86400 / mtbf_s, 2),
+        "step_seconds": step_s,
+        "interval_steps": interval_steps,
+        "interval_seconds": interval_s,
+        "ours_recovery_seconds": round(ours_r, 2),
+        "ours_grow_seconds": round(ours_g, 2),
         "ours_snapshot_blocking_seconds": ours_snapshot_s,
         "recovery_scale": recovery_scale,
         "recovery_scale_basis": "measured here x scale: heartbeat-timeout detection, re-forming 64 hosts, "
         "restore from host memory; standby executables assumed compiled",
-        "baseline_restart_seconds": round(base_r, 1), "baseline_checkpoint_blocking_seconds": checkpoint_s,
+        "baseline_restart_seconds": round(base_r, 1),
+        "baseline_checkpoint_blocking_seconds": checkpoint_s,
         "restart_scale": restart_scale,
         "restart_scale_basis": "measured here x scale: rescheduling 16,384 chips, image pull, process and "
         "jax.distributed start, restore from storage, compile at scale (minutes)",
@@ -370,7 +444,8 @@ def fleet_model(*, ours_recovery_s: float, ours_grow_s: float, ours_snapshot_s: 
         "flatters the baseline)",
         "failure_detection": "not modelled (the same for both)",
         "lost_fraction_formula": "save_s/interval_s + (recovery_s + interval_s/2 + regrow_s) / job_mtbf_s",
-        "goodput": round(1 - ours, 4), "baseline_goodput": round(1 - base, 4),
+        "goodput": round(1 - ours, 4),
+        "baseline_goodput": round(1 - base, 4),
         "baseline_goodput_with_hot_spares": round(1 - spares, 4),
     }
 
@@ -388,8 +463,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--blocking-revive", action="store_true",
-                   help="let the revive drill hold the loop while Ray starts the new agent (the drill's default)")
+    p.add_argument(
+        "--blocking-revive",
+        action="store_true",
+        help="let the revive drill hold the loop while Ray starts the new agent (the drill's default)",
+    )
     p.add_argument("--fleet-step-s", type=float, default=5.0)
     p.add_argument("--fleet-chip-mtbf-h", type=float, default=50_000.0)
     p.add_argument("--fleet-recovery-scale", type=float, default=30.0)
@@ -412,8 +490,14 @@ def main() -> None:
     from elastic.log import configure_logging
 
     configure_logging(logging.WARNING)
-    schedule, dropped = make_schedule(steps=args.steps, num_slices=args.num_slices, min_slices=args.min_slices,
-                                      mtbf_steps=args.mtbf_steps, repair_steps=args.repair_steps, seed=args.seed)
+    schedule, dropped = make_schedule(
+        steps=args.steps,
+        num_slices=args.num_slices,
+        min_slices=args.min_slices,
+        mtbf_steps=args.mtbf_steps,
+        repair_steps=args.repair_steps,
+        seed=args.seed,
+    )
     t0 = time.time()
     ours = run_ours(args, schedule)
     t1 = time.time()
@@ -422,30 +506,54 @@ def main() -> None:
     restart = float(np.median(base["restart_seconds"])) if base.get("restart_seconds") else float("nan")
     median_or_0 = lambda xs: max(float(np.median(xs)), 0.0) if xs else 0.0  # noqa: E731
     fleet = fleet_model(
-        ours_recovery_s=median_or_0(ours["recovery_seconds"]), ours_grow_s=median_or_0(ours["grow_pause_seconds"]),
-        ours_snapshot_s=ours["snapshot_blocking_s_mean"], restart_s=restart,
-        checkpoint_s=base.get("checkpoint_blocking_s_mean", float("nan")), interval_steps=args.snapshot_every,
-        chip_mtbf_h=args.fleet_chip_mtbf_h, step_s=args.fleet_step_s, recovery_scale=args.fleet_recovery_scale,
-        restart_scale=args.fleet_restart_scale)
+        ours_recovery_s=median_or_0(ours["recovery_seconds"]),
+        ours_grow_s=median_or_0(ours["grow_pause_seconds"]),
+        ours_snapshot_s=ours["snapshot_blocking_s_mean"],
+        restart_s=restart,
+        checkpoint_s=base.get("checkpoint_blocking_s_mean", float("nan")),
+        interval_steps=args.snapshot_every,
+        chip_mtbf_h=args.fleet_chip_mtbf_h,
+        step_s=args.fleet_step_s,
+        recovery_scale=args.fleet_recovery_scale,
+        restart_scale=args.fleet_restart_scale,
+    )
     init, _ = make_model(args.hidden)
     params = jax.eval_shape(init, jax.random.key(0))
     state_mb = 3 * sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / 2**20
-    print(json.dumps({
-        "goodput": ours["goodput"], "baseline_goodput": base["goodput"],
-        "schedule": {"steps": args.steps, "slices": args.num_slices, "devices_per_slice": DEVICES_PER_SLICE,
-                     "min_slices": args.min_slices, "mtbf_steps": args.mtbf_steps, "repair_steps": args.repair_steps,
-                     "seed": args.seed, "snapshot_every": args.snapshot_every,
-                     "checkpoint_every": args.checkpoint_every,
-                     "failures": sum(e.kind == "kill" for e in schedule), "failures_dropped": dropped,
-                     "events": [[e.step, e.kind, e.slice] for e in schedule]},
-        "model": {"hidden": args.hidden, "batch": BATCH, "state_mib_with_adam": round(state_mb, 1)},
-        "ours": ours, "baseline": base,
-        "wall_over_baseline": round(ours["wall_seconds"] / base["wall_seconds"], 3) if "wall_seconds" in base else None,
-        "fleet_model": fleet,
-        "bench_seconds": {"ours_incl_startup": round(t1 - t0, 1), "baseline_incl_startup": round(t2 - t1, 1)},
-        "checks": {"goodput>=0.95": ours["goodput"] >= 0.95,
-                   "goodput>baseline_goodput": ours["goodput"] > base["goodput"]},
-    }))
+    print(
+        json.dumps(
+            {
+                "goodput": ours["goodput"],
+                "baseline_goodput": base["goodput"],
+                "schedule": {
+                    "steps": args.steps,
+                    "slices": args.num_slices,
+                    "devices_per_slice": DEVICES_PER_SLICE,
+                    "min_slices": args.min_slices,
+                    "mtbf_steps": args.mtbf_steps,
+                    "repair_steps": args.repair_steps,
+                    "seed": args.seed,
+                    "snapshot_every": args.snapshot_every,
+                    "checkpoint_every": args.checkpoint_every,
+                    "failures": sum(e.kind == "kill" for e in schedule),
+                    "failures_dropped": dropped,
+                    "events": [[e.step, e.kind, e.slice] for e in schedule],
+                },
+                "model": {"hidden": args.hidden, "batch": BATCH, "state_mib_with_adam": round(state_mb, 1)},
+                "ours": ours,
+                "baseline": base,
+                "wall_over_baseline": round(ours["wall_seconds"] / base["wall_seconds"], 3)
+                if "wall_seconds" in base
+                else None,
+                "fleet_model": fleet,
+                "bench_seconds": {"ours_incl_startup": round(t1 - t0, 1), "baseline_incl_startup": round(t2 - t1, 1)},
+                "checks": {
+                    "goodput>=0.95": ours["goodput"] >= 0.95,
+                    "goodput>baseline_goodput": ours["goodput"] > base["goodput"],
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ What is measured
 ``orbax/checkpoint/experimental/v1/_src/training/pathways/snapshotter.py``) is used as its docstring
 and Orbax's own ``snapshotter_benchmark.py`` use it::
 
-    snap = Snapshotter(replica_axis_index=0)      # index of the replica axis in the state's mesh
-    snap.save(step, state)                        # returns None; may skip (see below)
-    snap.join()                                   # wait for queued copies
-    snap.latest.step                              # step of the one snapshot it keeps
-    restored = snap.load(abstract_state)          # tree of jax.ShapeDtypeStruct with shardings
+    snap = Snapshotter(replica_axis_index=0)  # index of the replica axis in the state's mesh
+    snap.save(step, state)  # returns None; may skip (see below)
+    snap.join()  # wait for queued copies
+    snap.latest.step  # step of the one snapshot it keeps
+    restored = snap.load(abstract_state)  # tree of jax.ShapeDtypeStruct with shardings
 
 What the source says it does, and how each figure is taken:
 
@@ -42,7 +42,8 @@ What the source says it does, and how each figure is taken:
   load the held snapshot's buffers are gone unless it is reset (the reset re-snapshots the restored
   state synchronously inside ``load``). With ``reset_snapshot_state=False`` a second ``load``
   segfaults the process (exit 139, jax 0.10.2 on CPU; even ``is_deleted()`` on the held arrays
-  does), so this module loads once, with the reset. ``orbax_load_matches`` compares the restored tree with the state that was saved at
+  does), so this module loads once, with the reset. ``orbax_load_matches`` compares the restored tree with the state
+  that was saved at
   ``orbax_latest_step`` (when that state is still alive, i.e. ``step_fn`` did not donate it).
 
 Workarounds needed to run it on CPU (jax 0.10.2, orbax-checkpoint 0.12.8)
@@ -318,9 +319,7 @@ def _main() -> None:
     rows = args.mib * 256  # float32 rows of 1024 elements: 256 rows per MiB
     # Two leaves of 1/2 and 1/4 of the state plus one of the rest (64 MiB: 32 + 16 + 16 MiB).
     shapes = {"w1": (rows // 2, 1024), "w2": (rows // 4, 1024), "w3": (rows - rows // 2 - rows // 4, 1024)}
-    state = {
-        k: jax.device_put(jnp.full(s, 0.5, jnp.float32), replicated) for k, s in shapes.items()
-    }
+    state = {k: jax.device_put(jnp.full(s, 0.5, jnp.float32), replicated) for k, s in shapes.items()}
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.999 + 0.001, s))
     result = measure_orbax_snapshotter(state, step_fn, steps=args.steps, block_steps=not args.free_running)
     print(json.dumps(result, indent=2))

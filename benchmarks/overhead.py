@@ -16,6 +16,7 @@ first step committed, minus the plain loop's first step, Ray already up) and ``c
 On this 2-core machine the job's Ray processes (supervisor, agents, keepers) share the cores with the "devices":
 part of any ratio above 1 is theirs, not the loop's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,7 @@ def make(width: int):  # noqa: ANN201
             h = x
             for w in params:
                 h = jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
+            return jnp.mean(h**2)
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
         updates, opt = OPT.update(grads, state["opt"], state["params"])
@@ -90,8 +91,11 @@ def plain(width: int, steps: int) -> dict[str, float]:
             jax.block_until_ready(loss)
             first = time.perf_counter() - t0
     jax.block_until_ready(state)
-    return {"step_seconds": (time.perf_counter() - t1) / (steps - 2), "first_step_seconds": first,
-            "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state))}
+    return {
+        "step_seconds": (time.perf_counter() - t1) / (steps - 2),
+        "first_step_seconds": first,
+        "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state)),
+    }
 
 
 def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str, float]:
@@ -109,9 +113,15 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
             stamps[k] = time.perf_counter()
         return state
 
-    config = ElasticConfig(job_name=f"overhead-{every}-{in_flight}", num_slices=4, devices_per_slice=2,
-                           num_steps=steps, snapshot_every=every, steps_in_flight=in_flight,
-                           policy=Policy(min_slices=2))
+    config = ElasticConfig(
+        job_name=f"overhead-{every}-{in_flight}",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=steps,
+        snapshot_every=every,
+        steps_in_flight=in_flight,
+        policy=Policy(min_slices=2),
+    )
     t0 = time.perf_counter()
     job = ElasticJob(config, init_fn=init)
     job.__enter__()
@@ -121,8 +131,12 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     close = time.perf_counter() - t_closing
     assert result.report.steps_committed == steps
     span = stamps[steps - 1] - stamps[1]
-    return {"step_seconds": span / (steps - 2), "first_commit_seconds": stamps[0] - t0, "close_seconds": close,
-            "blocking_seconds": result.report.snapshot_blocking_seconds}
+    return {
+        "step_seconds": span / (steps - 2),
+        "first_commit_seconds": stamps[0] - t0,
+        "close_seconds": close,
+        "blocking_seconds": result.report.snapshot_blocking_seconds,
+    }
 
 
 def main() -> int:
@@ -139,12 +153,20 @@ def main() -> int:
     ray_start = time.perf_counter() - t
     width = width_for(args.mib)
     base = plain(width, args.steps)
-    runs = {"every10": elastic_run(width, args.steps, 10, 2), "every1": elastic_run(width, args.steps, 1, 2),
-            "every10_in_flight1": elastic_run(width, args.steps, 10, 1)}
+    runs = {
+        "every10": elastic_run(width, args.steps, 10, 2),
+        "every1": elastic_run(width, args.steps, 1, 2),
+        "every10_in_flight1": elastic_run(width, args.steps, 10, 1),
+    }
     again = plain(width, args.steps)  # the machine drifts: the baseline before and after, the mean of both
     plain_step = statistics.mean([base["step_seconds"], again["step_seconds"]])
-    out: dict[str, float | int] = {"state_bytes": base["state_bytes"], "width": width, "steps": args.steps,
-                                   "ray_start_seconds": round(ray_start, 2), "plain_step_seconds": round(plain_step, 4)}
+    out: dict[str, float | int] = {
+        "state_bytes": base["state_bytes"],
+        "width": width,
+        "steps": args.steps,
+        "ray_start_seconds": round(ray_start, 2),
+        "plain_step_seconds": round(plain_step, 4),
+    }
     for name, r in runs.items():
         out[f"step_seconds_{name}"] = round(r["step_seconds"], 4)
         out[f"ratio_{name}"] = round(r["step_seconds"] / plain_step, 3)

@@ -31,6 +31,7 @@ re-forming in place from their host snapshots, against 3 fresh processes that im
 restore an Orbax checkpoint, compile and step. Ours includes detecting the loss (the baseline pays none).
 The default ``--mode single`` prints what it always did.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,7 +106,8 @@ BASELINE = textwrap.dedent("""
     x = jax.device_put(batch({step}), NamedSharding(mesh, P(("replica", "local"))))
     state = jax.jit(train_step, donate_argnums=0)(state, x); jax.block_until_ready(state)
     t_step = time.perf_counter()
-    print(json.dumps({{"import": t_import - t0, "restore": t_restore - t_import, "compile_and_step": t_step - t_restore}}))
+    print(json.dumps({{"import": t_import - t0, "restore": t_restore - t_import,
+                      "compile_and_step": t_step - t_restore}}))
 """)
 
 
@@ -113,10 +115,20 @@ def run_elastic(mib: int, kill_at: int, steps: int, settled: bool) -> tuple[dict
     from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Tiers
 
     rows = rows_for(mib)
-    cfg = ElasticConfig(job_name="bench-recovery-settled" if settled else "bench-recovery", num_steps=steps, snapshot_every=5, keep_snapshots=2,
-                        policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0))
-    job = ElasticJob(cfg, init_fn=init_fn(rows), shardings_fn=lambda mesh: {f"w{i}": P("local") for i in range(LEAVES)},
-                     faults=Faults().kill_slice(1, at_step=kill_at))
+    cfg = ElasticConfig(
+        job_name="bench-recovery-settled" if settled else "bench-recovery",
+        num_steps=steps,
+        snapshot_every=5,
+        keep_snapshots=2,
+        policy=Policy(min_slices=2),
+        tiers=Tiers(keeper_every=0),
+    )
+    job = ElasticJob(
+        cfg,
+        init_fn=init_fn(rows),
+        shardings_fn=lambda mesh: {f"w{i}": P("local") for i in range(LEAVES)},
+        faults=Faults().kill_slice(1, at_step=kill_at),
+    )
 
     def loop(run: Run):
         state = run.state
@@ -137,19 +149,28 @@ def run_elastic(mib: int, kill_at: int, steps: int, settled: bool) -> tuple[dict
 
 def measure(report: dict, state: object, job_start: float) -> dict:
     """The recovery's figures, from the job's timeline and the XLA compilations seen."""
-    t = {e["event"]: e["t"] for e in report["timeline"] if e["event"] in
-         ("inject_kill", "failure", "detected", "restored", "first_step")}
+    t = {
+        e["event"]: e["t"]
+        for e in report["timeline"]
+        if e["event"] in ("inject_kill", "failure", "detected", "restored", "first_step")
+    }
     restored = next(e for e in report["timeline"] if e["event"] == "restored")
     waited = restored.get("waited_for_snapshot_s", 0.0)
-    phases = {"detect": t["failure"] - t["inject_kill"], "decide": t["detected"] - t["failure"],
-              "restore": t["restored"] - t["detected"], "first_step": t["first_step"] - t["restored"]}
+    phases = {
+        "detect": t["failure"] - t["inject_kill"],
+        "decide": t["detected"] - t["failure"],
+        "restore": t["restored"] - t["detected"],
+        "first_step": t["first_step"] - t["restored"],
+    }
     leaves = jax.tree_util.tree_leaves(state)
     placed = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
     copied = placed - restored.get("shards_kept", 0) * (placed // sum(len(x.addressable_shards) for x in leaves))
     window = (job_start + t["inject_kill"], job_start + t["first_step"] + 0.002)
     return {
         "resume_seconds": t["first_step"] - t["inject_kill"],
-        "compile_seconds_on_recovery_path": round(sum(secs for end, secs in COMPILES if window[0] <= end <= window[1]), 4),
+        "compile_seconds_on_recovery_path": round(
+            sum(secs for end, secs in COMPILES if window[0] <= end <= window[1]), 4
+        ),
         "restore_gbps": round(placed / (phases["restore"] - waited) / 1e9, 2),
         "copy_gbps": round(copied / (phases["restore"] - waited) / 1e9, 2),
         "restore_waited_for_snapshot_in_flight_seconds": waited,
@@ -172,10 +193,15 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--mode", choices=("single", "multi-process", "both"), default="single",
-                        help="single-process (default), multi-process (benchmarks/recovery_mp.py), or both")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="multi-process: trials of ours and of the baseline; medians are reported")
+    parser.add_argument(
+        "--mode",
+        choices=("single", "multi-process", "both"),
+        default="single",
+        help="single-process (default), multi-process (benchmarks/recovery_mp.py), or both",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="multi-process: trials of ours and of the baseline; medians are reported"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args()
     if args.mode == "multi-process":
@@ -230,24 +256,34 @@ def _single(args: argparse.Namespace) -> dict:
         ckptr.save(path, state)
         ckptr.wait_until_finished()
         del state
-        code = BASELINE.format(bench=os.path.dirname(os.path.abspath(__file__)), rows=rows_for(mib), path=path,
-                               step=args.kill_at)
+        code = BASELINE.format(
+            bench=os.path.dirname(os.path.abspath(__file__)), rows=rows_for(mib), path=path, step=args.kill_at
+        )
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
         baseline = time.perf_counter() - t0
         parts = json.loads(out.stdout.strip().splitlines()[-1])
-    result = {"state_bytes": state_bytes, "resume_seconds": round(ours["resume_seconds"], 3),
-              "baseline_resume_seconds": round(baseline, 3), "speedup": round(baseline / ours["resume_seconds"], 2),
-              **{k: v for k, v in ours.items() if k != "resume_seconds"}, "memcpy_gbps": round(memcpy, 2),
-              "baseline_phases": {k: round(v, 3) for k, v in parts.items()}}
-    result["settled"] = {"resume_seconds": round(settled["resume_seconds"], 3),
-                         "speedup": round(baseline / settled["resume_seconds"], 2),
-                         **{k: v for k, v in settled.items() if k != "resume_seconds"}}
+    result = {
+        "state_bytes": state_bytes,
+        "resume_seconds": round(ours["resume_seconds"], 3),
+        "baseline_resume_seconds": round(baseline, 3),
+        "speedup": round(baseline / ours["resume_seconds"], 2),
+        **{k: v for k, v in ours.items() if k != "resume_seconds"},
+        "memcpy_gbps": round(memcpy, 2),
+        "baseline_phases": {k: round(v, 3) for k, v in parts.items()},
+    }
+    result["settled"] = {
+        "resume_seconds": round(settled["resume_seconds"], 3),
+        "speedup": round(baseline / settled["resume_seconds"], 2),
+        **{k: v for k, v in settled.items() if k != "resume_seconds"},
+    }
 
     def checks(r: dict) -> dict:
-        return {"speedup>=20": r["speedup"] >= 20,
-                "compile<=5%_of_resume": r["compile_seconds_on_recovery_path"] <= 0.05 * r["resume_seconds"],
-                "restore_gbps>=memcpy_gbps/2": r["restore_gbps"] >= memcpy / 2}
+        return {
+            "speedup>=20": r["speedup"] >= 20,
+            "compile<=5%_of_resume": r["compile_seconds_on_recovery_path"] <= 0.05 * r["resume_seconds"],
+            "restore_gbps>=memcpy_gbps/2": r["restore_gbps"] >= memcpy / 2,
+        }
 
     result["checks"] = checks(result)
     result["settled"]["checks"] = checks(result["settled"])

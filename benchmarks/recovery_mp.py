@@ -5,7 +5,8 @@
 Ours: an ``ElasticJob`` with ``ElasticConfig(processes=Processes(replace_lost=False))`` runs 4 worker processes
 (Ray actors, 2 CPU devices each, joined by ``jax.distributed`` over gloo) on a state of ``--mib`` MiB (8 float32
 leaves, each split over the 2 devices of a worker and replicated across workers), a host snapshot every 5 steps.
-The loop holds before the step ahead of ``--kill-at`` until the standby compiles for the 3-worker group are done (a failure
+The loop holds before the step ahead of ``--kill-at`` until the standby compiles for the 3-worker group are done (a
+failure
 on a job past its first minutes); then slice 1's process SIGKILLs itself (``Faults.kill_slice``). The 3 survivors
 leave the broken group (the driver sees the process die and aborts their pass), re-form in place and restore from
 their host snapshots. ``resume_seconds``: the failure caught -> the first step committed by the re-formed group
@@ -22,6 +23,7 @@ Orbax checkpoint (written beforehand by this process; checksums compared), compi
 path through the workers' clocks (``start_and_import``, ``join``, ``restore``, ``compile_and_step``). The baseline
 pays neither detection nor rescheduling, ours pays both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +118,10 @@ class FreshWorker:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         mesh = default_mesh([[d for d in devices if d.process_index == p] for p in range(jax.process_count())])
         t["joined"] = time.time()
-        target = {f"w{i}": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=NamedSharding(mesh, SPEC))
-                  for i in range(LEAVES)}
+        target = {
+            f"w{i}": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=NamedSharding(mesh, SPEC))
+            for i in range(LEAVES)
+        }
         ckptr = ocp.StandardCheckpointer()
         state = ckptr.restore(path, target)
         jax.block_until_ready(state)
@@ -137,6 +141,7 @@ class FreshWorker:
 
 def _held_loop(hold_at: int, flag: str) -> Any:
     """The loop, holding before ``hold_at`` until the driver sets ``flag`` in Ray's internal KV (standbys ready)."""
+
     def held(run: Any) -> Any:
         from ray.experimental import internal_kv
 
@@ -162,11 +167,22 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     from elastic import ElasticConfig, ElasticJob, Faults, Policy, Processes, Tiers
 
     flag = f"recovery-mp-standby-{os.getpid()}-{time.time_ns()}"
-    config = ElasticConfig(job_name="bench-recovery-mp", num_slices=SLICES, devices_per_slice=DEVICES,
-                           num_steps=steps, snapshot_every=5, policy=Policy(min_slices=2),
-                           tiers=Tiers(keeper_every=0), processes=Processes(replace_lost=False))
-    job = ElasticJob(config, init_fn=init_fn(rows_for(mib)), shardings_fn=shardings_fn,
-                     faults=Faults().kill_slice(1, at_step=kill_at))
+    config = ElasticConfig(
+        job_name="bench-recovery-mp",
+        num_slices=SLICES,
+        devices_per_slice=DEVICES,
+        num_steps=steps,
+        snapshot_every=5,
+        policy=Policy(min_slices=2),
+        tiers=Tiers(keeper_every=0),
+        processes=Processes(replace_lost=False),
+    )
+    job = ElasticJob(
+        config,
+        init_fn=init_fn(rows_for(mib)),
+        shardings_fn=shardings_fn,
+        faults=Faults().kill_slice(1, at_step=kill_at),
+    )
 
     def release() -> None:  # once the standby group compiled the step for 3 workers, let the group go on
         deadline = time.monotonic() + 300
@@ -189,19 +205,34 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     resume = report["recovery_seconds"][0]
     return {
         "resume_seconds": resume,
-        "phases": {"decide": round(t_view - t_fail, 3), "restore": round(t_restored - t_view, 3),
-                   "first_step": round(t_fail + resume - t_restored, 3)},
+        "phases": {
+            "decide": round(t_view - t_fail, 3),
+            "restore": round(t_restored - t_view, 3),
+            "first_step": round(t_fail + resume - t_restored, 3),
+        },
         "compile_seconds_on_recovery_path": report["recovery_compile_seconds"][0],
-        "standby_compiles": report["standby_compiles"], "standby_skipped": report["standby_skipped"],
-        "snapshot_seconds_per_snapshot": round(report["snapshot_blocking_seconds"] / max(1, report["snapshots_taken"]),
-                                               4),
+        "standby_compiles": report["standby_compiles"],
+        "standby_skipped": report["standby_skipped"],
+        "snapshot_seconds_per_snapshot": round(
+            report["snapshot_blocking_seconds"] / max(1, report["snapshots_taken"]), 4
+        ),
         "restore_phases": next(e for e in events if e["event"] == "restored" and e["t"] >= t_fail).get("phases"),
         "first_step_in_workers": report.get("recovery_first_step", [None])[0],
         "restore_from_step": report["restores"][0]["step"],
         "restore_tier": report["restores"][0]["tier"],
-        **{k: report[k] for k in ("reform_seconds", "worker_processes_restarted", "survivors_lost",
-                                  "steps_recomputed", "duplicate_steps", "skipped_steps", "steps_committed",
-                                  "slices_final")},
+        **{
+            k: report[k]
+            for k in (
+                "reform_seconds",
+                "worker_processes_restarted",
+                "survivors_lost",
+                "steps_recomputed",
+                "duplicate_steps",
+                "skipped_steps",
+                "steps_committed",
+                "slices_final",
+            )
+        },
     }
 
 
@@ -209,12 +240,13 @@ def run_baseline(mib: int, kill_at: int) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     rows = rows_for(mib)
-    local = np.array(jax.devices()[:SLICES * DEVICES]).reshape(SLICES, DEVICES)
+    local = np.array(jax.devices()[: SLICES * DEVICES]).reshape(SLICES, DEVICES)
     mesh = default_mesh(local)
     state = jax.jit(init_fn(rows), out_shardings=NamedSharding(mesh, SPEC))(jax.random.key(0))
     expected = checksum(state)
-    cls = ray.remote(FreshWorker).options(num_cpus=0, max_restarts=0,
-                                          runtime_env={"env_vars": distributed.collective_env(DEVICES)})
+    cls = ray.remote(FreshWorker).options(
+        num_cpus=0, max_restarts=0, runtime_env={"env_vars": distributed.collective_env(DEVICES)}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
         ckptr = ocp.StandardCheckpointer()
@@ -227,8 +259,9 @@ def run_baseline(mib: int, kill_at: int) -> dict[str, Any]:
         try:
             t0 = time.time()
             workers = [cls.remote() for _ in range(SLICES - 1)]
-            outs = ray.get([w.resume.remote(service.address, i, path, rows, kill_at) for i, w in enumerate(workers)],
-                           timeout=300)
+            outs = ray.get(
+                [w.resume.remote(service.address, i, path, rows, kill_at) for i, w in enumerate(workers)], timeout=300
+            )
             ray.wait([w.leave.remote() for w in workers], num_returns=len(workers), timeout=10)
         finally:
             for w in workers:
@@ -238,9 +271,12 @@ def run_baseline(mib: int, kill_at: int) -> dict[str, Any]:
     end = {k: max(o["t"][k] for o in outs) for k in ("ready", "joined", "restored", "stepped")}
     return {
         "resume_seconds": round(end["stepped"] - t0, 3),
-        "phases": {"start_and_import": round(end["ready"] - t0, 3), "join": round(end["joined"] - end["ready"], 3),
-                   "restore": round(end["restored"] - end["joined"], 3),
-                   "compile_and_step": round(end["stepped"] - end["restored"], 3)},
+        "phases": {
+            "start_and_import": round(end["ready"] - t0, 3),
+            "join": round(end["joined"] - end["ready"], 3),
+            "restore": round(end["restored"] - end["joined"], 3),
+            "compile_and_step": round(end["stepped"] - end["restored"], 3),
+        },
         "checksum_ok": all(abs(o["checksum"] - expected) <= 1e-9 * max(1.0, abs(expected)) for o in outs),
         "devices": outs[0]["devices"],
     }
@@ -278,10 +314,15 @@ def run(mib: int, kill_at: int, steps: int, repeats: int = 3) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
-    trials = [{"resume_seconds": o["resume_seconds"], "baseline_resume_seconds": b["resume_seconds"],
-               "speedup": round(b["resume_seconds"] / o["resume_seconds"], 2),
-               "compile_share_of_resume": round(o["compile_seconds_on_recovery_path"] / o["resume_seconds"], 3)}
-              for o, b in zip(ours_runs, base_runs, strict=True)]
+    trials = [
+        {
+            "resume_seconds": o["resume_seconds"],
+            "baseline_resume_seconds": b["resume_seconds"],
+            "speedup": round(b["resume_seconds"] / o["resume_seconds"], 2),
+            "compile_share_of_resume": round(o["compile_seconds_on_recovery_path"] / o["resume_seconds"], 3),
+        }
+        for o, b in zip(ours_runs, base_runs, strict=True)
+    ]
     ours = dict(sorted(ours_runs, key=lambda o: o["resume_seconds"])[len(ours_runs) // 2])
     base = sorted(base_runs, key=lambda b: b["resume_seconds"])[len(base_runs) // 2]
     resume = ours.pop("resume_seconds")
@@ -294,9 +335,12 @@ def run(mib: int, kill_at: int, steps: int, repeats: int = 3) -> dict[str, Any]:
         "baseline_resume_seconds": base["resume_seconds"],
         "speedup": speedup,
         "compile_share_of_resume": round(compile_share, 3),
-        "checks": {"speedup>=10": speedup >= 10, "compile<=5%_of_resume": compile_share <= 0.05,
-                   "every_baseline_checksum_ok": all(b["checksum_ok"] for b in base_runs),
-                   "survivors_lost_0": all(o["survivors_lost"] == 0 for o in ours_runs)},
+        "checks": {
+            "speedup>=10": speedup >= 10,
+            "compile<=5%_of_resume": compile_share <= 0.05,
+            "every_baseline_checksum_ok": all(b["checksum_ok"] for b in base_runs),
+            "survivors_lost_0": all(o["survivors_lost"] == 0 for o in ours_runs),
+        },
         "trials": trials,
         **ours,
         "baseline_phases": base["phases"],

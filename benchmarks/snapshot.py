@@ -10,11 +10,13 @@ Figures: ``step_seconds`` (no snapshots), ``blocking_seconds_per_snapshot`` (med
 holds the loop), ``blocking_fraction_of_step``, ``snapshot_gbps`` (bytes written into host buffers,
 all copies, over the background copy's wall time, checksums included, with the loop idle; beside it
 ``snapshot_gbps_during_steps``, while steps share the machine's 2 cores), ``memcpy_gbps`` (one numpy
-copy of the same bytes into a reused buffer, median of 3 as for ``snapshot_gbps``), ``held_bytes`` (every snapshot buffer, all generations,
+copy of the same bytes into a reused buffer, median of 3 as for ``snapshot_gbps``), ``held_bytes`` (every snapshot
+buffer, all generations,
 the in-flight one included), ``copies`` (distinct slices holding each byte), ``snapshots_dropped``,
 ``keeper_bytes`` (the keeper tier, one push of the newest generation to 2 keepers on the local Ray),
 and the same state through Orbax's Snapshotter (``orbax_*``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +32,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,8 +45,10 @@ LEAVES = 8
 def make_state(mib: int, mesh: Mesh) -> dict[str, jax.Array]:
     rows = mib * 1024 * 1024 // 4 // LEAVES // 1024
     sharding = NamedSharding(mesh, P("local"))
-    make = jax.jit(lambda i: {f"w{k}": jax.numpy.full((rows, 1024), float(k) + i, jax.numpy.float32)
-                              for k in range(LEAVES)}, out_shardings=sharding)
+    make = jax.jit(
+        lambda i: {f"w{k}": jax.numpy.full((rows, 1024), float(k) + i, jax.numpy.float32) for k in range(LEAVES)},
+        out_shardings=sharding,
+    )
     return jax.block_until_ready(make(0.0))
 
 
@@ -104,8 +109,9 @@ def measure_ours(state, mesh: Mesh, steps: int) -> dict:
         "blocking_seconds_max": round(max(blocking), 5),
         "blocking_fraction_of_step": round(statistics.median(blocking) / step_seconds, 4),
         "snapshot_gbps": round(statistics.median(quiet) / 1e9, 2),
-        "snapshot_gbps_during_steps": round((stats["copy_bytes"] - warm["copy_bytes"])
-                                            / (stats["copy_seconds"] - warm["copy_seconds"]) / 1e9, 2),
+        "snapshot_gbps_during_steps": round(
+            (stats["copy_bytes"] - warm["copy_bytes"]) / (stats["copy_seconds"] - warm["copy_seconds"]) / 1e9, 2
+        ),
         "first_fill_gbps": round(warm["copy_bytes"] / warm["copy_seconds"] / 1e9, 2),
         "held_bytes": stats["held_bytes"],
         "keep": stats["keep"],

@@ -18,6 +18,7 @@ heartbeating while their agent lives on (a hung host: only the heartbeat timeout
 ``--per-slice`` sends the per-slice protocol instead (one ``register`` and one ``heartbeat`` call per
 slice and interval, what as many :class:`elastic.supervision.agent.SliceAgent` actors would send), for comparison.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
 
+from elastic.config import Policy  # noqa: E402
+from elastic.control.cluster import connect  # noqa: E402
+from elastic.log import configure_logging  # noqa: E402
 from elastic.supervision import events  # noqa: E402
 from elastic.supervision.agent import SliceGroupAgent  # noqa: E402
-from elastic.control.cluster import connect  # noqa: E402
-from elastic.config import Policy  # noqa: E402
-from elastic.log import configure_logging  # noqa: E402
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor  # noqa: E402
 
 
@@ -132,8 +133,9 @@ def run(args: argparse.Namespace, job: str, actors: Actors, run_id: str) -> dict
     agents = actors.agents
     for a in range(args.agents):
         slices = {s: 0 for s in range(a, args.slices, args.agents)}
-        agents.append(kind.options(name=f"agent-{a}", namespace=namespace).remote(
-            slices, supervisor, args.interval, job))
+        agents.append(
+            kind.options(name=f"agent-{a}", namespace=namespace).remote(slices, supervisor, args.interval, job)
+        )
     t0 = time.monotonic()
     ray.get([agent.start.remote() for agent in agents], timeout=120)
     view = ray.get(supervisor.start.remote(), timeout=60)

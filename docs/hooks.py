@@ -1,8 +1,10 @@
 """mkdocs hooks: a public name without a docstring fails ``mkdocs build --strict``; Sphinx roles are dropped.
 
-Public: each name in the ``__all__`` of ``elastic``, ``elastic.snapshot`` and ``elastic.runtime`` (classes, functions, modules),
+Public: each name in the ``__all__`` of ``elastic``, ``elastic.snapshot`` and ``elastic.runtime`` (classes, functions,
+modules),
 and the public methods and properties each such class defines itself. The reference pages render the same names.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -4,6 +4,7 @@
 
 Public names load lazily, so Ray workers that host the supervisor and agents do not import jax.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,16 +17,52 @@ except _metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installe
     __version__ = "0+unknown"
 
 __all__ = (
-    "AccessError", "ClusterError", "ConfigError", "ElasticConfig", "ElasticError", "ElasticJob", "Faults", "GiveUpError", "JobResult", "OptaxStep",
-    "Policy", "Processes", "RecoveryTimeoutError", "Report", "Run", "SupervisorError", "SupervisorLostError", "Tiers", "Trainer", "View", "decide",
+    "AccessError",
+    "ClusterError",
+    "ConfigError",
+    "ElasticConfig",
+    "ElasticError",
+    "ElasticJob",
+    "Faults",
+    "GiveUpError",
+    "JobResult",
+    "OptaxStep",
+    "Policy",
+    "Processes",
+    "RecoveryTimeoutError",
+    "Report",
+    "Run",
+    "SupervisorError",
+    "SupervisorLostError",
+    "Tiers",
+    "Trainer",
+    "View",
+    "decide",
     "optax_step",
 )
 
 _WHERE = {
-    "AccessError": "errors", "ClusterError": "errors", "ConfigError": "errors", "ElasticError": "errors", "GiveUpError": "errors", "RecoveryTimeoutError": "errors",
-    "SupervisorError": "errors", "SupervisorLostError": "errors", "ElasticConfig": "config", "Policy": "config", "Processes": "config", "Tiers": "config", "ElasticJob": "api.job",
-    "JobResult": "api.job", "Faults": "chaos.faults", "Run": "api.run", "Report": "control.report",
-    "Trainer": "api.trainer", "OptaxStep": "api.trainer", "optax_step": "api.trainer", "View": "supervision.membership",
+    "AccessError": "errors",
+    "ClusterError": "errors",
+    "ConfigError": "errors",
+    "ElasticError": "errors",
+    "GiveUpError": "errors",
+    "RecoveryTimeoutError": "errors",
+    "SupervisorError": "errors",
+    "SupervisorLostError": "errors",
+    "ElasticConfig": "config",
+    "Policy": "config",
+    "Processes": "config",
+    "Tiers": "config",
+    "ElasticJob": "api.job",
+    "JobResult": "api.job",
+    "Faults": "chaos.faults",
+    "Run": "api.run",
+    "Report": "control.report",
+    "Trainer": "api.trainer",
+    "OptaxStep": "api.trainer",
+    "optax_step": "api.trainer",
+    "View": "supervision.membership",
     "decide": "supervision.policy",
 }
 

@@ -1,9 +1,9 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
-``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``, ``inject``
+``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``,
+``inject``
 (:mod:`elastic.ops.commands`) and ``cleanup``."""
-from __future__ import annotations
 
-from typing import NoReturn
+from __future__ import annotations
 
 import argparse
 import json
@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from elastic.ops import commands as ops_cli
 from elastic.quiet import set_verbose
@@ -34,7 +34,8 @@ def _force_cpu_devices(count: int, *, what: str = "the job") -> None:
             raise ConfigError(
                 f"{what} needs {count} CPU devices but jax started with {have} before they could be set (code run "
                 f"on import touched jax: {err}); set XLA_FLAGS=--xla_force_host_platform_device_count={count} in the "
-                "environment, or keep jax calls in the target's module inside functions") from err
+                "environment, or keep jax calls in the target's module inside functions"
+            ) from err
 
 
 def _stdout_for_result() -> TextIO:
@@ -46,8 +47,10 @@ def _stdout_for_result() -> TextIO:
     return result
 
 
-_DEMO_DEFAULTS = {"slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
-                  "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5}}
+_DEMO_DEFAULTS = {
+    "slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
+    "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5},
+}
 _MULTI = ("multi-process", "multi-process-driver-crash")
 
 
@@ -74,23 +77,34 @@ def _demo(args: argparse.Namespace) -> int:
     from elastic.ops.runs import records_dir
 
     os.environ.setdefault("ELASTIC_RECORD_DIR", str(records_dir()))  # so that `elastic report` finds the run
-    spec = DemoSpec(steps=args.steps, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
-                    kill_slice=args.kill_slice, kill_at=args.kill_at, revive_at=args.revive_at,
-                    snapshot_every=args.snapshot_every)
+    spec = DemoSpec(
+        steps=args.steps,
+        num_slices=args.slices,
+        devices_per_slice=args.devices_per_slice,
+        kill_slice=args.kill_slice,
+        kill_at=args.kill_at,
+        revive_at=args.revive_at,
+        snapshot_every=args.snapshot_every,
+    )
     connect()
     if multi:
         from elastic.demos.processes import ProcessDemoSpec, run_process_demo
 
-        mp = ProcessDemoSpec(steps=spec.steps, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
-                             kill_slice=spec.kill_slice, kill_at=spec.kill_at, revive_at=spec.revive_at,
-                             snapshot_every=spec.snapshot_every)
+        mp = ProcessDemoSpec(
+            steps=spec.steps,
+            num_slices=spec.num_slices,
+            devices_per_slice=spec.devices_per_slice,
+            kill_slice=spec.kill_slice,
+            kill_at=spec.kill_at,
+            revive_at=spec.revive_at,
+            snapshot_every=spec.snapshot_every,
+        )
         if args.scenario == "multi-process":
             out = run_process_demo(mp, verify=args.verify)
         else:
             from elastic.demos.crash import run_client_crash
 
-            out = run_client_crash(mp, kill_at=args.kill_client_at, verify=args.verify,
-                                   progress=not args.no_progress)
+            out = run_client_crash(mp, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
     elif args.scenario == "client-crash":
         from elastic.demos.crash import run_client_crash
 
@@ -126,8 +140,12 @@ def _chaos(args: argparse.Namespace) -> int:
 
     def progress(r: ScheduleResult) -> None:
         failed = ", ".join(p.promise for p in r.verdict.failed) or "every promise kept"
-        print(f"schedule {r.schedule.index} {r.schedule.scenario}: {r.record.outcome} in {r.record.seconds:.1f} s, "
-              f"{r.injected} fault(s); {failed}", file=sys.stderr, flush=True)
+        print(
+            f"schedule {r.schedule.index} {r.schedule.scenario}: {r.record.outcome} in {r.record.seconds:.1f} s, "
+            f"{r.injected} fault(s); {failed}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     indices = [args.index] if args.index is not None else None
     out = runner.run(args.schedules, indices=indices, progress=progress).to_dict()
@@ -144,8 +162,10 @@ def _cleanup(args: argparse.Namespace) -> int:
 
     connect()
     killed = cleanup(args.job, purge_events=args.purge_events, token=args.token)
-    print(json.dumps({"job": args.job, "job_name": args.job, "killed": killed, "events_purged": args.purge_events}),
-          flush=True)
+    print(
+        json.dumps({"job": args.job, "job_name": args.job, "killed": killed, "events_purged": args.purge_events}),
+        flush=True,
+    )
     return 0
 
 
@@ -158,23 +178,34 @@ def _plan(args: argparse.Namespace) -> int:
     if args.chips is None and (args.slices is None or args.chips_per_slice is None):
         raise ConfigError("--slices and --chips-per-slice go together")
     chips = args.chips if args.chips is not None else args.slices * args.chips_per_slice
-    inputs = PlanInputs(chips=chips, mtbf_hours_per_chip=args.mtbf_hours_per_chip, step_seconds=args.step_seconds,
-                        snapshot_seconds=args.snapshot_seconds, restart_seconds=args.restart_seconds)
+    inputs = PlanInputs(
+        chips=chips,
+        mtbf_hours_per_chip=args.mtbf_hours_per_chip,
+        step_seconds=args.step_seconds,
+        snapshot_seconds=args.snapshot_seconds,
+        restart_seconds=args.restart_seconds,
+    )
     out = plan(inputs, seed=args.seed, horizon_failures=args.horizon_failures, horizon_hours=args.horizon_hours)
     if args.json:
         print(json.dumps(out.to_dict()), flush=True)
         return 0
     d = out.to_dict()
-    print(f"{chips} chips, {args.mtbf_hours_per_chip:g} h MTBF per chip: job MTBF {d['job_mtbf_hours']:.3f} h; "
-          f"step {args.step_seconds:g} s, snapshot {args.snapshot_seconds:g} s, restart {args.restart_seconds:g} s")
-    print(f"optimum {d['optimum_seconds']:.1f} s of work (Young sqrt(2CM) {d['young_seconds']:.1f} s, "
-          f"Daly {d['daly_seconds']:.1f} s): snapshot every {d['interval_steps']} steps")
+    print(
+        f"{chips} chips, {args.mtbf_hours_per_chip:g} h MTBF per chip: job MTBF {d['job_mtbf_hours']:.3f} h; "
+        f"step {args.step_seconds:g} s, snapshot {args.snapshot_seconds:g} s, restart {args.restart_seconds:g} s"
+    )
+    print(
+        f"optimum {d['optimum_seconds']:.1f} s of work (Young sqrt(2CM) {d['young_seconds']:.1f} s, "
+        f"Daly {d['daly_seconds']:.1f} s): snapshot every {d['interval_steps']} steps"
+    )
     print(f"simulated: {d['simulated_failures']:,} failures over {d['simulated_hours']:,.0f} h, seed {d['seed']}")
     print(f"{'steps':>9} {'seconds':>10} {'expected':>9} {'1st order':>9} {'simulated':>9} {'diff':>9}")
     for c in d["candidates"]:
         mark = "  <- best" if c["steps"] == d["interval_steps"] else ""
-        print(f"{c['steps']:>9} {c['seconds']:>10.1f} {c['expected_goodput']:>9.4f} {c['first_order_goodput']:>9.4f} "
-              f"{c['simulated_goodput']:>9.4f} {c['simulated_goodput'] - c['expected_goodput']:>+9.5f}{mark}")
+        print(
+            f"{c['steps']:>9} {c['seconds']:>10.1f} {c['expected_goodput']:>9.4f} {c['first_order_goodput']:>9.4f} "
+            f"{c['simulated_goodput']:>9.4f} {c['simulated_goodput'] - c['expected_goodput']:>+9.5f}{mark}"
+        )
     return 0
 
 
@@ -189,17 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="elastic", description="Elastic, fault-tolerant training for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
-    demo.add_argument("--scenario", choices=("slice-loss", "client-crash", *_MULTI), default="slice-loss",
-                      help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
-                           "and a new client resumes from the keeper tier; multi-process: one worker process per "
-                           "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
-                           "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
-                           "multi-process-driver-crash: the multi-process job's driver is SIGKILLed mid-run and a new "
-                           "driver of the same job name resumes from the keepers")
-    demo.add_argument("--kill-client-at", type=int, default=None,
-                      help="client-crash: the step the client dies at (default 75; multi-process: 21)")
-    demo.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout (progress on "
-                                                          "stderr); without it, a short summary")
+    demo.add_argument(
+        "--scenario",
+        choices=("slice-loss", "client-crash", *_MULTI),
+        default="slice-loss",
+        help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
+        "and a new client resumes from the keeper tier; multi-process: one worker process per "
+        "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
+        "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
+        "multi-process-driver-crash: the multi-process job's driver is SIGKILLed mid-run and a new "
+        "driver of the same job name resumes from the keepers",
+    )
+    demo.add_argument(
+        "--kill-client-at",
+        type=int,
+        default=None,
+        help="client-crash: the step the client dies at (default 75; multi-process: 21)",
+    )
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object on stdout (progress on stderr); without it, a short summary",
+    )
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
     demo.add_argument("--steps", type=int, default=None, help="default 150 (multi-process: see --scenario)")
     demo.add_argument("--slices", type=int, default=4)
@@ -209,28 +251,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")
     demo.add_argument("--snapshot-every", type=int, default=None, help="default 10 (multi-process: see --scenario)")
     demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument("-v", "--verbose", action="store_true",
-                      help="structured events, Ray's own messages and the event timeline on stderr")
+    demo.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="structured events, Ray's own messages and the event timeline on stderr",
+    )
     demo.set_defaults(func=_demo)
     chaos = sub.add_parser("chaos", help="run seeded fault schedules against a training loop; check every promise")
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--schedules", type=int, default=5, help="run schedules 0..N-1 of the seed")
     chaos.add_argument("--index", type=int, help="replay schedule I of the seed only")
-    chaos.add_argument("--target", help="module:function returning ElasticJob's arguments and loop (default: the "
-                                        "demo model)")
-    chaos.add_argument("--mode", choices=("single-process", "multi-process"), default="single-process",
-                       help="the demo model's mode without --target (multi-process: a worker process per slice, its "
-                            "faults real SIGKILL/SIGSTOP); a target's config names its own")
+    chaos.add_argument(
+        "--target", help="module:function returning ElasticJob's arguments and loop (default: the demo model)"
+    )
+    chaos.add_argument(
+        "--mode",
+        choices=("single-process", "multi-process"),
+        default="single-process",
+        help="the demo model's mode without --target (multi-process: a worker process per slice, its "
+        "faults real SIGKILL/SIGSTOP); a target's config names its own",
+    )
     chaos.add_argument("--steps", type=int, help="override the target's num_steps")
     chaos.add_argument("--scenarios", help="comma-separated catalogue names to draw from (default: all that fit)")
     chaos.add_argument("--timeout", type=float, default=120.0, help="seconds a schedule may run before it is a hang")
     chaos.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress on stderr)")
-    chaos.add_argument("-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr")
+    chaos.add_argument(
+        "-v", "--verbose", action="store_true", help="structured events and Ray's own messages on stderr"
+    )
     chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job", "--job-name", dest="job", required=True, help="the job's name")
-    clean.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
-                                       "for this user under $ELASTIC_HOME/tokens)")
+    clean.add_argument(
+        "--token",
+        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
+        "for this user under $ELASTIC_HOME/tokens)",
+    )
     clean.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     clean.add_argument("--purge-events", action="store_true", help="also delete the job's event stream (all runs)")
     clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")
@@ -240,13 +296,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
     plan.add_argument("--slices", type=int)
     plan.add_argument("--chips-per-slice", type=int)
-    plan.add_argument("--mtbf-hours-per-chip", type=float, required=True, help="mean hours between failures of one chip")
+    plan.add_argument(
+        "--mtbf-hours-per-chip", type=float, required=True, help="mean hours between failures of one chip"
+    )
     plan.add_argument("--step-seconds", type=float, default=1.0)
-    plan.add_argument("--snapshot-seconds", type=float, default=0.5,
-                      help="seconds training is blocked per snapshot (benchmarks/snapshot.py measures it)")
-    plan.add_argument("--restart-seconds", type=float, default=60.0,
-                      help="seconds from a failure to training again, without recomputation "
-                           "(benchmarks/recovery.py measures it)")
+    plan.add_argument(
+        "--snapshot-seconds",
+        type=float,
+        default=0.5,
+        help="seconds training is blocked per snapshot (benchmarks/snapshot.py measures it)",
+    )
+    plan.add_argument(
+        "--restart-seconds",
+        type=float,
+        default=60.0,
+        help="seconds from a failure to training again, without recomputation (benchmarks/recovery.py measures it)",
+    )
     plan.add_argument("--seed", type=int, default=0, help="seed of the simulated failures")
     horizon = plan.add_mutually_exclusive_group()
     horizon.add_argument("--horizon-failures", type=int, help="simulate this many failures (default 100,000)")

@@ -1,4 +1,5 @@
 """Configuration: frozen, keyword-only, validated when built."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,9 @@ from typing import Literal
 
 from elastic.errors import ConfigError
 from elastic.supervision.policy import Policy
-from elastic.validate import count as _count, instance as _instance, positive as _positive
+from elastic.validate import count as _count
+from elastic.validate import instance as _instance
+from elastic.validate import positive as _positive
 
 __all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Processes", "Tiers", "check_batch_splits"]
 
@@ -21,7 +24,8 @@ class Tiers:
     """Where snapshots live, fastest first, and what each survives.
 
     1. In memory: every byte of a snapshot on ``copies`` distinct slices' host memory (survives the loss
-       of ``copies - 1`` slices; capped at the number of slices in the mesh). A snapshot requested while an earlier one still waits to be copied
+       of ``copies - 1`` slices; capped at the number of slices in the mesh). A snapshot requested while an earlier one
+       still waits to be copied
        replaces it (``on_busy="coalesce"``, counted) or waits for it (``"wait"``).
     2. Keepers: every ``keeper_every``-th snapshot is copied to ``keepers`` keeper actors on other Ray
        nodes (survives the client process and any one node; 0 turns the tier off).
@@ -46,9 +50,10 @@ class Tiers:
         if self.persistent_dir is not None and (
             not isinstance(self.persistent_dir, (str, os.PathLike)) or not str(self.persistent_dir).strip()
         ):
-            raise ConfigError(f"tiers.persistent_dir must be a directory or bucket path, or None to turn it off, "
-                              f"got {self.persistent_dir!r}")
-
+            raise ConfigError(
+                f"tiers.persistent_dir must be a directory or bucket path, or None to turn it off, "
+                f"got {self.persistent_dir!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,13 +88,19 @@ class Processes:
         for name in ("replace_lost", "standby"):
             _instance(f"processes.{name}", getattr(self, name), bool)
         if not isinstance(self.resources_per_worker, Mapping):
-            raise ConfigError(f"processes.resources_per_worker must map resource names to amounts, got "
-                              f"{self.resources_per_worker!r}")
+            raise ConfigError(
+                f"processes.resources_per_worker must map resource names to amounts, got {self.resources_per_worker!r}"
+            )
         for key, amount in self.resources_per_worker.items():
-            if not isinstance(key, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                    or not 0 <= amount < math.inf:
-                raise ConfigError(f"processes.resources_per_worker maps resource names to amounts >= 0, got "
-                                  f"{key!r}: {amount!r}")
+            if (
+                not isinstance(key, str)
+                or isinstance(amount, bool)
+                or not isinstance(amount, (int, float))
+                or not 0 <= amount < math.inf
+            ):
+                raise ConfigError(
+                    f"processes.resources_per_worker maps resource names to amounts >= 0, got {key!r}: {amount!r}"
+                )
 
     def worker_options(self) -> dict[str, object]:
         """The Ray actor options that place one worker (``num_cpus``/``num_gpus`` from ``CPU``/``GPU``)."""
@@ -155,8 +166,11 @@ class ElasticConfig:
     steps_in_flight: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job_name, str) or not self.job_name \
-                or not all(c.isalnum() or c in "-_" for c in self.job_name):
+        if (
+            not isinstance(self.job_name, str)
+            or not self.job_name
+            or not all(c.isalnum() or c in "-_" for c in self.job_name)
+        ):
             raise ConfigError(f"job_name must be non-empty letters, digits, '-' or '_', got {self.job_name!r}")
         for name in ("num_slices", "devices_per_slice", "num_steps", "snapshot_every", "keep_snapshots"):
             _count(name, getattr(self, name))

@@ -4,10 +4,19 @@ Every error the public API raises on purpose is an :class:`ElasticError`; errors
 below are re-raised as one ``from`` the original. Each pickles with its fields, so it survives
 crossing a Ray actor boundary.
 """
+
 from __future__ import annotations
 
-__all__ = ["AccessError", "ClusterError", "ElasticError", "ConfigError", "GiveUpError", "RecoveryTimeoutError",
-           "SupervisorError", "SupervisorLostError"]
+__all__ = [
+    "AccessError",
+    "ClusterError",
+    "ElasticError",
+    "ConfigError",
+    "GiveUpError",
+    "RecoveryTimeoutError",
+    "SupervisorError",
+    "SupervisorLostError",
+]
 
 
 class ElasticError(Exception):

@@ -1,4 +1,5 @@
 """Structured events: structlog to stderr, with job/slice/epoch/step bound by the callers."""
+
 from __future__ import annotations
 
 import logging

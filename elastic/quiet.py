@@ -12,6 +12,7 @@ What a normal run used to print that nobody asked for, and what happens to it no
   cluster's error messages on the driver's *stdout*, which holds a command's JSON result. They go to stderr,
   and only when verbose (:func:`route_ray_errors`).
 """
+
 from __future__ import annotations
 
 import contextlib

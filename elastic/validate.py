@@ -1,4 +1,5 @@
 """Checks shared by the configuration dataclasses: each raises ``ConfigError`` saying what to fix."""
+
 from __future__ import annotations
 
 import math

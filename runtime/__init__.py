@@ -1,4 +1,5 @@
 """The mechanics of devices: slices, meshes over the healthy ones, resharding, failure classification."""
+
 from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
@@ -10,9 +11,35 @@ from .standby import StandbyCompiler, mesh_key
 from .topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
 
 __all__ = (
-    "Chunk", "FailureKind", "LOCAL_AXIS", "MeshFn", "REPLICA_AXIS", "Slice", "SliceProbe", "StepHungError",
-    "StructureError", "Topology", "TopologyError", "as_shardings", "batch_sharding", "build_mesh", "check_structure",
-    "classify_failure", "guarded", "hangs", "is_recoverable", "is_slice_loss", "plan_microbatches", "probe_slices",
-    "replicated", "reshard", "simulated", "simulated_topology", "StandbyCompiler", "mesh_key", "topology_from_devices",
-    "wait_ready", "warm_probes",
+    "Chunk",
+    "FailureKind",
+    "LOCAL_AXIS",
+    "MeshFn",
+    "REPLICA_AXIS",
+    "Slice",
+    "SliceProbe",
+    "StepHungError",
+    "StructureError",
+    "Topology",
+    "TopologyError",
+    "as_shardings",
+    "batch_sharding",
+    "build_mesh",
+    "check_structure",
+    "classify_failure",
+    "guarded",
+    "hangs",
+    "is_recoverable",
+    "is_slice_loss",
+    "plan_microbatches",
+    "probe_slices",
+    "replicated",
+    "reshard",
+    "simulated",
+    "simulated_topology",
+    "StandbyCompiler",
+    "mesh_key",
+    "topology_from_devices",
+    "wait_ready",
+    "warm_probes",
 )

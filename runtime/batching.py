@@ -4,6 +4,7 @@ A plan covers the batch with at most two chunks: one whose size divides over the
 and a remainder smaller than the device count (replicated). Weighting each chunk's mean gradient by
 its size gives exactly the gradient of the whole batch's mean loss.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Failure classification: the one place that decides whether an error means a slice is gone (or a step
 hung), so that the controller recovers from it, or is a bug or bad input that ends the job."""
+
 from __future__ import annotations
 
 import enum
@@ -14,6 +15,7 @@ __all__ = ["FailureKind", "classify_failure", "is_recoverable", "is_slice_loss"]
 
 class FailureKind(enum.Enum):
     """What a failure means for the job: lose a slice, a hung step, or neither (re-raise)."""
+
     SLICE_LOSS = "slice_loss"  # devices are gone: recover on the survivors
     HUNG = "hung"  # a step made no progress within its bound: probe, then recover as from a slice loss
     OTHER = "other"  # a bug or bad input: surface it

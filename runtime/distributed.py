@@ -23,6 +23,7 @@ communicator broken by a dead peer must be aborted, and ``clear_backends`` re-cr
 costs seconds); on TPU without Pathways a lost host takes its slice with it and the ICI topology fixes which
 subsets can form a mesh. Only this module and :func:`is_peer_loss`'s patterns know such things.
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,8 +38,18 @@ import jax.extend.backend
 
 from .classify import FailureKind, classify_failure
 
-__all__ = ["CoordinationService", "collective_env", "disconnect", "free_port", "is_peer_loss", "join", "joined",
-           "leave", "reform", "setup_process"]
+__all__ = [
+    "CoordinationService",
+    "collective_env",
+    "disconnect",
+    "free_port",
+    "is_peer_loss",
+    "join",
+    "joined",
+    "leave",
+    "reform",
+    "setup_process",
+]
 
 # Errors a gloo collective raises when a peer process went away (its socket broke, or it stopped answering).
 _PEER_LOSS = re.compile(
@@ -53,7 +64,7 @@ def collective_env(devices_per_process: int, *, collective_timeout_s: int = 5) -
     within ``collective_timeout_s`` when a peer is gone instead of hanging."""
     return {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process} "
-                     f"--xla_cpu_collective_timeout_seconds={collective_timeout_s}",
+        f"--xla_cpu_collective_timeout_seconds={collective_timeout_s}",
         "JAX_PLATFORMS": "cpu",
     }
 
@@ -66,8 +77,10 @@ def setup_process(env: dict[str, str]) -> None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError("this process's jax backend started before its environment was set up: run the worker "
-                           "in a fresh process (its devices and collective timeout come from XLA_FLAGS)")
+        raise RuntimeError(
+            "this process's jax backend started before its environment was set up: run the worker "
+            "in a fresh process (its devices and collective timeout come from XLA_FLAGS)"
+        )
     os.environ.update(env)
     if "JAX_PLATFORMS" in env:
         jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
@@ -82,8 +95,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class CoordinationService:
     """The coordination service of one group of ``num_processes`` workers, hosted in this process."""
 
-    def __init__(self, num_processes: int, *, host: str = "127.0.0.1", port: int | None = None,
-                 heartbeat_timeout_s: int = 30, shutdown_timeout_s: int = 5) -> None:
+    def __init__(
+        self,
+        num_processes: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        heartbeat_timeout_s: int = 30,
+        shutdown_timeout_s: int = 5,
+    ) -> None:
         from jax._src.lib import _jax  # private: the function jax.distributed.initialize calls for process 0
 
         if num_processes < 1:
@@ -92,8 +112,12 @@ class CoordinationService:
         self.port = port or free_port(host)
         self.address = f"{host}:{self.port}"
         self._service = _jax.get_distributed_runtime_service(
-            f"[::]:{self.port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
-            shutdown_timeout=shutdown_timeout_s, recoverable=True)
+            f"[::]:{self.port}",
+            num_processes,
+            heartbeat_timeout=heartbeat_timeout_s,
+            shutdown_timeout=shutdown_timeout_s,
+            recoverable=True,
+        )
 
     def stop(self) -> None:
         if self._service is not None:
@@ -119,8 +143,9 @@ def joined() -> bool:
 _in_group = [False]  # a group's backend lives here (after disconnect(), until leave())
 
 
-def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60,
-         heartbeat_timeout_s: int = 10) -> None:
+def join(
+    address: str, num_processes: int, process_id: int, *, timeout_s: int = 60, heartbeat_timeout_s: int = 10
+) -> None:
     """Connect this process to the group served at ``address`` as ``process_id`` of ``num_processes``.
 
     Must run before this process's backend starts (or after :func:`leave`). Raises if already joined.
@@ -139,9 +164,14 @@ def join(address: str, num_processes: int, process_id: int, *, timeout_s: int = 
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} not in 0..{num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    client = _jax.get_distributed_runtime_client(address, process_id, init_timeout=timeout_s,
-                                                 use_compression=True, heartbeat_timeout=heartbeat_timeout_s,
-                                                 missed_heartbeat_callback=_client_error)
+    client = _jax.get_distributed_runtime_client(
+        address,
+        process_id,
+        init_timeout=timeout_s,
+        use_compression=True,
+        heartbeat_timeout=heartbeat_timeout_s,
+        missed_heartbeat_callback=_client_error,
+    )
     client.connect()
     state.coordinator_address = address
     state.process_id = process_id
@@ -195,8 +225,9 @@ def leave() -> float:
     return time.monotonic() - start
 
 
-def reform(address: str, num_processes: int, process_id: int, *, timeout_s: int = 60,
-           phases: dict[str, float] | None = None) -> float:
+def reform(
+    address: str, num_processes: int, process_id: int, *, timeout_s: int = 60, phases: dict[str, float] | None = None
+) -> float:
     """Leave the current group (if any) and join a new one, in this process; seconds it took (until the new
     group's devices are visible). ``phases`` (if given) receives ``leave``, ``join`` and ``backend`` seconds."""
     start = time.monotonic()
@@ -241,4 +272,3 @@ def is_peer_loss(err: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
-

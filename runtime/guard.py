@@ -5,6 +5,7 @@ raise the same error here, before dispatch and again once the result is ready (a
 mid-step loses that step's result). A wait with a bound polls the results' readiness and raises
 :class:`StepHungError` past it (a hung collective, a wedged device): the step watchdog.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,10 @@ class StepHungError(TimeoutError):
 
     def __init__(self, what: str, timeout_s: float, *, pending: int = 0, total: int = 0, hint: str = "") -> None:
         self.what, self.timeout_s, self.pending, self.total, self.hint = what, timeout_s, pending, total, hint
-        message = (f"{what} made no progress in {timeout_s:g}s: {pending} of {total} result arrays never became "
-                   "ready (a hung collective or a wedged device)")
+        message = (
+            f"{what} made no progress in {timeout_s:g}s: {pending} of {total} result arrays never became "
+            "ready (a hung collective or a wedged device)"
+        )
         super().__init__(message + (f"; {hint}" if hint else ""))
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -41,8 +44,9 @@ def _rebuild(what: str, timeout_s: float, pending: int, total: int, hint: str) -
     return StepHungError(what, timeout_s, pending=pending, total=total, hint=hint)
 
 
-def wait_ready(tree: Any, devices: Iterable[Any], *, timeout_s: float | None = None, what: str = "a computation",
-               hint: str = "") -> Any:
+def wait_ready(
+    tree: Any, devices: Iterable[Any], *, timeout_s: float | None = None, what: str = "a computation", hint: str = ""
+) -> Any:
     """Wait until ``tree`` is computed; raise the slice-loss error if ``devices`` were lost meanwhile.
 
     ``timeout_s``: the bound (None: wait as long as it takes). Past it, hung computations of simulated
@@ -58,8 +62,11 @@ def wait_ready(tree: Any, devices: Iterable[Any], *, timeout_s: float | None = N
 
 def _poll(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint: str) -> None:
     """Return once every array of ``tree`` is ready (done or failed); ``StepHungError`` past ``timeout_s``."""
-    arrays: list[Any] = [getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
-              for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, jax.Array)]
+    arrays: list[Any] = [
+        getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if isinstance(leaf, jax.Array)
+    ]
     start = time.monotonic()
     deadline = start + timeout_s
     for i, array in enumerate(arrays):  # an array once ready stays ready: each is checked until it is

@@ -9,6 +9,7 @@ for one slice leaves that slice wedged (from then on its devices fail as a lost 
 :func:`release_all` frees every blocked callback and disarms the rest (the end of a job), so no thread
 stays blocked and the process can exit.
 """
+
 from __future__ import annotations
 
 import threading
@@ -66,8 +67,10 @@ def attach(tree: Any, devices: tuple[Any, ...]) -> Any:
         if not hit:
             return tree  # the slice is not in this computation: nothing of it can hang here
         if len(ids) < 2:
-            raise ValueError("a simulated hang needs a computation over 2 or more devices (a single-device CPU "
-                             "computation runs inline, in the caller's thread)")
+            raise ValueError(
+                "a simulated hang needs a computation over 2 or more devices (a single-device CPU "
+                "computation runs inline, in the caller's thread)"
+            )
         hang.device_ids = ids
         _blocked.append(hang)
     arrays = [leaves[i] for i in where]
@@ -78,8 +81,7 @@ def attach(tree: Any, devices: tuple[Any, ...]) -> Any:
         return token
 
     def hung(xs: list[jax.Array]) -> list[jax.Array]:
-        token = io_callback(wait, jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0),
-                            sharding=SingleDeviceSharding(at))
+        token = io_callback(wait, jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0), sharding=SingleDeviceSharding(at))
         return jax.lax.optimization_barrier((token, xs))[1]
 
     out = jax.jit(hung, out_shardings=[a.sharding for a in arrays])(arrays)

@@ -1,5 +1,6 @@
 """Probe which slices can still compute: dispatch a tiny computation per slice, then collect (bounded: a
 slice whose probe does not answer in time, e.g. wedged behind a hung collective, counts as dead)."""
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,9 @@ class SliceProbe:
                 pending.append((s, err))
         return pending
 
-    def collect(self, pending: list[tuple[Slice, jax.Array | BaseException]],
-                timeout_s: float | None = None) -> frozenset[int]:
+    def collect(
+        self, pending: list[tuple[Slice, jax.Array | BaseException]], timeout_s: float | None = None
+    ) -> frozenset[int]:
         """Indices of the slices that failed their probe with a slice-loss error, or (``timeout_s``: a bound
         for all of them together) did not answer it in time."""
         dead: set[int] = set()

@@ -3,6 +3,7 @@
 The default mesh has two axes: ``replica`` across slices (data parallel) and ``local`` inside a
 slice. A user ``mesh_fn(devices) -> Mesh`` receives the healthy devices grouped by slice instead.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -1,4 +1,5 @@
 """Place a state pytree onto the shardings of a (new) mesh."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ Once a simulated slice is killed, every guarded computation that touches one of 
 lost slice and that :func:`runtime.classify.is_slice_loss` calls slice loss. The registry is
 process-wide, because devices are.
 """
+
 from __future__ import annotations
 
 import threading

@@ -7,6 +7,7 @@ function for each candidate mesh on a background thread, with the same specs on 
 so the first call on the new mesh after a recovery does not compile. A signature that does not fit a
 candidate mesh (a batch that does not split over its devices) is skipped and counted.
 """
+
 from __future__ import annotations
 
 import queue
@@ -73,8 +74,12 @@ def portable(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]
     unspecified = all(type(s).__name__ == "UnspecifiedValue" for s in tuple(info.out_shardings_leaves or ()))
     if not unspecified or info.backend is not None or info.device is not None:
         return None
-    return wrapped, {"donate_argnums": tuple(info.donate_argnums), "static_argnums": tuple(info.static_argnums),
-                     "keep_unused": bool(info.keep_unused), "inline": bool(info.inline)}
+    return wrapped, {
+        "donate_argnums": tuple(info.donate_argnums),
+        "static_argnums": tuple(info.static_argnums),
+        "keep_unused": bool(info.keep_unused),
+        "inline": bool(info.inline),
+    }
 
 
 def rebuild(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:

@@ -3,6 +3,7 @@
 A TPU slice is found from ``device.slice_index``; any other local devices are grouped by a configured
 size; and a simulated N x M topology groups forced CPU devices for tests and the demo.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -87,9 +88,7 @@ def topology_from_devices(devices: Sequence[Any] | None = None, *, devices_per_s
     devices = list(jax.devices() if devices is None else devices)
     if devices_per_slice is None:
         if not all(getattr(d, "slice_index", None) is not None for d in devices):
-            raise TopologyError(
-                "these devices carry no slice_index: pass devices_per_slice to group them into slices"
-            )
+            raise TopologyError("these devices carry no slice_index: pass devices_per_slice to group them into slices")
         groups: dict[int, list[Any]] = {}
         for d in devices:
             groups.setdefault(int(d.slice_index), []).append(d)

@@ -7,22 +7,47 @@
 ``snapshot.persistent.PersistentTier`` writes Orbax checkpoints; ``HostImage`` is a snapshot as plain
 host data, the currency between tiers. Names load lazily, so a keeper actor does not import jax.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
 __all__ = (
-    "HostImage", "NoSnapshotError", "Restored", "SnapshotConfig", "SnapshotConfigError", "SnapshotCorruptError",
-    "SnapshotError", "SnapshotFailedError", "SnapshotInfo", "SnapshotStructureError", "SnapshotUnavailableError",
-    "Snapshotter", "restore_image",
+    "HostImage",
+    "NoSnapshotError",
+    "Restored",
+    "SnapshotConfig",
+    "SnapshotConfigError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotFailedError",
+    "SnapshotInfo",
+    "SnapshotStructureError",
+    "SnapshotUnavailableError",
+    "Snapshotter",
+    "restore_image",
 )
 
 _WHERE = {
-    "HostImage": "image", "restore_image": "image", "Restored": "config", "SnapshotConfig": "config",
-    "SnapshotInfo": "config", "Snapshotter": "snapshotter",
-    **{name: "errors" for name in ("NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError",
-                                   "SnapshotFailedError", "SnapshotStructureError", "SnapshotUnavailableError")},
+    "HostImage": "image",
+    "restore_image": "image",
+    "Restored": "config",
+    "SnapshotConfig": "config",
+    "SnapshotInfo": "config",
+    "Snapshotter": "snapshotter",
+    **{
+        name: "errors"
+        for name in (
+            "NoSnapshotError",
+            "SnapshotConfigError",
+            "SnapshotCorruptError",
+            "SnapshotError",
+            "SnapshotFailedError",
+            "SnapshotStructureError",
+            "SnapshotUnavailableError",
+        )
+    },
 }
 
 

@@ -1,4 +1,5 @@
 """What a snapshotter is told (its configuration) and what it answers (snapshot info, a restore)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ hands the buffer to jax as a ``pinned_host`` array of the destination device (ze
 ``device_put`` into the destination device's ``pinned_host`` memory (the runtime orders it before any
 later donation) and a device-side checksum; nothing crosses into the client process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,22 +65,22 @@ class HostEngine:
     def write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         return self._write(staged, dest, slice_, buffer, None)
 
-    def write_checksummed(self, staged: np.ndarray, dest: Any, slice_: int,
-                          buffer: np.ndarray | None) -> tuple[Copy, int]:
+    def write_checksummed(
+        self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None
+    ) -> tuple[Copy, int]:
         hasher = xxhash.xxh3_64()
         return self._write(staged, dest, slice_, buffer, hasher), hasher.intdigest()
 
-    def _write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None,
-               hasher: Any) -> Copy:
+    def _write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None, hasher: Any) -> Copy:
         """Copy in cache-sized chunks, hashing each chunk while it is still in cache."""
         if buffer is None or buffer.shape != staged.shape or buffer.dtype != staged.dtype:
             buffer = aligned_empty(staged.shape, staged.dtype)
         src = staged.reshape(-1).view(np.uint8) if staged.size else staged.reshape(-1)
         dst = buffer.reshape(-1).view(np.uint8) if buffer.size else buffer.reshape(-1)
         for start in range(0, max(dst.size, 1), CHUNK):
-            np.copyto(dst[start:start + CHUNK], src[start:start + CHUNK])
+            np.copyto(dst[start : start + CHUNK], src[start : start + CHUNK])
             if hasher is not None:
-                hasher.update(dst[start:start + CHUNK])
+                hasher.update(dst[start : start + CHUNK])
         array = jax.device_put(buffer, SingleDeviceSharding(dest, memory_kind="pinned_host"))
         return Copy(device=dest, slice=slice_, array=array, buffer=buffer)
 
@@ -120,8 +121,9 @@ class DeviceEngine:
         staged.block_until_ready()
         return Copy(device=dest, slice=slice_, array=staged)
 
-    def write_checksummed(self, staged: jax.Array, dest: Any, slice_: int,
-                          buffer: np.ndarray | None) -> tuple[Copy, int]:
+    def write_checksummed(
+        self, staged: jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None
+    ) -> tuple[Copy, int]:
         copy = self.write(staged, dest, slice_, buffer)
         return copy, self.checksum(copy)
 

@@ -1,8 +1,17 @@
 """Errors of the snapshot data plane."""
+
 from __future__ import annotations
 
-__all__ = ["KeeperAccessError", "NoSnapshotError", "SnapshotConfigError", "SnapshotCorruptError", "SnapshotError", "SnapshotFailedError",
-           "SnapshotStructureError", "SnapshotUnavailableError"]
+__all__ = [
+    "KeeperAccessError",
+    "NoSnapshotError",
+    "SnapshotConfigError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotFailedError",
+    "SnapshotStructureError",
+    "SnapshotUnavailableError",
+]
 
 
 class SnapshotError(Exception):

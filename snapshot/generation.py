@@ -5,6 +5,7 @@ checksum and handles to its copies. The bytes stay in the host memory of the cop
 Restore reads only copies on available devices (the survivors), verifies each piece once, tries
 another copy when one fails its checksum, and places every target shard on its device.
 """
+
 from __future__ import annotations
 
 import copy as copylib
@@ -64,8 +65,9 @@ def _readable(piece: PieceRecord, available: set[Any]) -> list[Copy]:
     return [c for c in piece.copies if c.device in available]
 
 
-def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any], engine: Engine,
-              guard: Guard | None) -> Copy:
+def _verified(
+    gen: Generation, leaf: int, piece: PieceRecord, available: set[Any], engine: Engine, guard: Guard | None
+) -> Copy:
     """An intact copy of ``piece`` on an available device (checksummed where it lives)."""
     candidates = _readable(piece, available)
     if not candidates:
@@ -81,8 +83,9 @@ def _verified(gen: Generation, leaf: int, piece: PieceRecord, available: set[Any
         readable += 1
         if engine.checksum(c) == piece.checksum:
             return c
-        log.warning("snapshot_copy_corrupt", step=gen.step, generation=gen.number, leaf=leaf, slice=c.slice,
-                    device=c.device.id)
+        log.warning(
+            "snapshot_copy_corrupt", step=gen.step, generation=gen.number, leaf=leaf, slice=c.slice, device=c.device.id
+        )
     if not readable:
         raise SnapshotUnavailableError(gen.step, leaf, tuple(sorted({c.slice for c in piece.copies})))
     raise SnapshotCorruptError(gen.step, leaf)
@@ -106,8 +109,9 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
 
 
-def restore_generation(gen: Generation, targets: list[Sharding | None], available: set[Any], engine: Engine,
-                       guard: Guard | None) -> Any:
+def restore_generation(
+    gen: Generation, targets: list[Sharding | None], available: set[Any], engine: Engine, guard: Guard | None
+) -> Any:
     """``gen``'s state on ``targets`` (one sharding per leaf), read from copies on ``available`` devices only.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no copy there, and
@@ -119,8 +123,9 @@ def restore_generation(gen: Generation, targets: list[Sharding | None], availabl
         raise SnapshotCorruptError(gen.step, -1)
     chosen_by_leaf = []
     for i, rec in enumerate(gen.leaves):
-        chosen_by_leaf.append({p.index: _verified(gen, i, p, available, engine, guard) for p in rec.pieces}
-                              if rec.is_array else {})
+        chosen_by_leaf.append(
+            {p.index: _verified(gen, i, p, available, engine, guard) for p in rec.pieces} if rec.is_array else {}
+        )
     placed = []
     for rec, chosen, sharding in zip(gen.leaves, chosen_by_leaf, targets, strict=True):
         if not rec.is_array:
@@ -164,10 +169,15 @@ def to_image(gen: Generation, engine: Engine, available: set[Any], *, copy: bool
             else:
                 data = data.view()
                 data.flags.writeable = False
-            pieces.append(Piece(index=p.index, data=data,
-                                checksum=p.checksum if engine.name == "host" else checksum(engine.host_view(c))))
+            pieces.append(
+                Piece(
+                    index=p.index,
+                    data=data,
+                    checksum=p.checksum if engine.name == "host" else checksum(engine.host_view(c)),
+                )
+            )
         leaves.append(LeafImage(shape=rec.shape, dtype=rec.dtype, key_impl=rec.key_impl, pieces=tuple(pieces)))
     meta = dict(gen.meta, _values=values)
-    return HostImage(step=gen.step, generation=gen.number, leaves=tuple(leaves), meta=meta,
-                     meta_checksum=meta_checksum(meta))
-
+    return HostImage(
+        step=gen.step, generation=gen.number, leaves=tuple(leaves), meta=meta, meta_checksum=meta_checksum(meta)
+    )

@@ -5,6 +5,7 @@ no device handles, no pytree definition (the restoring side brings its own struc
 set of :class:`Piece` s, rectangular regions of the stored array that together cover it; typed PRNG
 keys are stored as their ``jax.random.key_data`` (``key_impl`` names the implementation).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -21,8 +22,21 @@ if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors h
     import jax
     from jax.sharding import Sharding
 
-__all__ = ["Index", "aligned_empty", "fresh_shards", "owned_copy", "place", "LeafImage", "Piece", "HostImage", "checksum", "meta_checksum", "region", "restore_image",
-           "wrap_keys"]
+__all__ = [
+    "Index",
+    "aligned_empty",
+    "fresh_shards",
+    "owned_copy",
+    "place",
+    "LeafImage",
+    "Piece",
+    "HostImage",
+    "checksum",
+    "meta_checksum",
+    "region",
+    "restore_image",
+    "wrap_keys",
+]
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the stored array
 
@@ -98,7 +112,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + align, dtype=np.uint8)
     offset = (-raw.ctypes.data) % align
-    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def _overlap(a: Index, b: Index) -> Index | None:
@@ -145,7 +159,9 @@ def owned_copy(data: np.ndarray, device: Any) -> jax.Array:
     return jax.device_put(jax.device_put(data, device), device, may_alias=False)
 
 
-def fresh_shards(wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.ndarray]], dtype: np.dtype) -> list[jax.Array]:
+def fresh_shards(
+    wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.ndarray]], dtype: np.dtype
+) -> list[jax.Array]:
     """For each (region, device) in ``wants``: a fresh, runtime-owned buffer on that device holding that
     region of ``pieces`` (assembled where needed), made on 2 threads (the copies release the GIL)."""
     global _POOL
@@ -154,7 +170,9 @@ def fresh_shards(wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.nd
     return list(_POOL.map(lambda want: owned_copy(assemble(want[0], pieces, dtype), want[1]), wants))
 
 
-def place(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]]) -> jax.Array:
+def place(
+    shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]]
+) -> jax.Array:
     """An array of ``shape`` on ``sharding`` whose every device shard is a fresh, runtime-owned buffer
     holding its region of ``pieces``."""
     import jax
@@ -201,4 +219,3 @@ def restore_image(image: HostImage, treedef: Any, shardings: Any) -> Any:
         arr = place(leaf.shape, np.dtype(leaf.dtype), sharding, pieces)
         placed.append(arr if leaf.key_impl is None else wrap_keys(arr, leaf.key_impl, sharding))
     return jax.tree_util.tree_unflatten(treedef, placed)
-

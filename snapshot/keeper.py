@@ -10,6 +10,7 @@ creation), and the images the client pushes are sealed under its image key (:mod
 keeper holds: an image that fails the seal is refused on restore (``on_refused`` is told) and the next keeper's,
 or the next tier, is used. Both are optional (``None``: an open keeper, unsealed images; for tests and tools).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,8 @@ import dataclasses
 import hashlib
 import hmac
 import threading
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -44,9 +45,11 @@ def _private_copy(image: HostImage) -> HostImage:
     (pickle protocol 5) hashes a read-only array differently from a writable one.
     """
     leaves = tuple(
-        dataclasses.replace(leaf, pieces=tuple(
-            dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces))
-        for leaf in image.leaves)
+        dataclasses.replace(
+            leaf, pieces=tuple(dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces)
+        )
+        for leaf in image.leaves
+    )
     return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
 
 
@@ -74,7 +77,7 @@ class Keeper:
         with self._lock:
             dropped = [g.step for g in self._images if g.step >= own.step]
             self._images = [g for g in self._images if g.step < own.step] + [own]
-            self._images = self._images[-self._keep:]
+            self._images = self._images[-self._keep :]
             if dropped:
                 log.info("keeper_rollback", step=own.step, dropped=dropped)
             return sum(g.nbytes for g in self._images)
@@ -148,8 +151,9 @@ class Keeper:
         raise KeeperAccessError(f"keeper {call} refused: the call does not carry this job's keeper credential")
 
     def _held(self) -> int:
-        return sum(g.nbytes for g in self._images) + sum(i.nbytes for parts in self._parts.values()
-                                                          for i in parts.values())
+        return sum(g.nbytes for g in self._images) + sum(
+            i.nbytes for parts in self._parts.values() for i in parts.values()
+        )
 
     def latest(self, token: str | None = None) -> HostImage | None:
         """The newest held image that passes ``verify()``; corrupt ones are dropped and logged."""
@@ -203,8 +207,11 @@ def _covers(images: Any) -> bool:
 
 def _placements(n: int, avoid_node: str) -> list[str]:
     """Node ids for ``n`` keepers: spread over alive nodes other than ``avoid_node``, else on it."""
-    others = sorted(node["NodeID"] for node in ray.nodes()
-                    if node.get("Alive") and node.get("Resources") and node["NodeID"] != avoid_node)
+    others = sorted(
+        node["NodeID"]
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("Resources") and node["NodeID"] != avoid_node
+    )
     return [others[i % len(others)] for i in range(n)] if others else [avoid_node] * n
 
 
@@ -215,9 +222,19 @@ class KeeperTier:
     ``every``: one image in ``every`` pushed is sent (a rollback, a step at or below the last sent, always is).
     """
 
-    def __init__(self, namespace: str, *, num_keepers: int = 2, keep: int = 1, every: int = 1,
-                 avoid_node: str | None = None, timeout_s: float = 60.0, credential: str | None = None,
-                 image_key: str | None = None, on_refused: Callable[[str, int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        num_keepers: int = 2,
+        keep: int = 1,
+        every: int = 1,
+        avoid_node: str | None = None,
+        timeout_s: float = 60.0,
+        credential: str | None = None,
+        image_key: str | None = None,
+        on_refused: Callable[[str, int, str], None] | None = None,
+    ) -> None:
         if num_keepers < 1 or keep < 1 or every < 1:
             raise ValueError(f"num_keepers, keep and every must be at least 1, got {num_keepers}, {keep}, {every}")
         self.namespace, self._num, self._keep, self._every = namespace, num_keepers, keep, every
@@ -229,7 +246,12 @@ class KeeperTier:
         self._busy = self._closing = self._none_left = False
         self._thread: threading.Thread | None = None
         self._offered, self._last_sent = 0, cast("int | None", None)
-        self._stats: dict[str, int] = {"keeper_pushes": 0, "keeper_coalesced": 0, "keeper_push_failures": 0, "keeper_skipped": 0}
+        self._stats: dict[str, int] = {
+            "keeper_pushes": 0,
+            "keeper_coalesced": 0,
+            "keeper_push_failures": 0,
+            "keeper_skipped": 0,
+        }
 
     def start(self) -> KeeperTier:
         """Get or create the keepers, on other nodes than ``avoid_node`` where the cluster has any.
@@ -245,8 +267,13 @@ class KeeperTier:
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
             self._keepers[name] = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
-                name=name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-                max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                name=name,
+                namespace=self.namespace,
+                lifetime="detached",
+                get_if_exists=True,
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(self._keep, access)
         where = self.nodes(self._timeout_s)  # waits until placed; a keeper whose node died is forgotten
         log.info("keepers_started", namespace=self.namespace, nodes=where)
@@ -257,17 +284,34 @@ class KeeperTier:
         return self._run()
 
     @classmethod
-    def attach(cls, namespace: str, *, every: int = 1, timeout_s: float = 60.0, credential: str | None = None,
-               image_key: str | None = None, on_refused: Callable[[str, int, str], None] | None = None
-               ) -> KeeperTier | None:
+    def attach(
+        cls,
+        namespace: str,
+        *,
+        every: int = 1,
+        timeout_s: float = 60.0,
+        credential: str | None = None,
+        image_key: str | None = None,
+        on_refused: Callable[[str, int, str], None] | None = None,
+    ) -> KeeperTier | None:
         """A client of the keepers already running in ``namespace`` (e.g. left by a crashed client), or None.
 
         Creates no actor; pushes from it go to the keepers found.
         """
-        names = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                       if e["namespace"] == namespace and e["name"].startswith(PREFIX))
-        tier = cls(namespace, num_keepers=max(1, len(names)), every=every, timeout_s=timeout_s, credential=credential,
-                   image_key=image_key, on_refused=on_refused)
+        names = sorted(
+            e["name"]
+            for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == namespace and e["name"].startswith(PREFIX)
+        )
+        tier = cls(
+            namespace,
+            num_keepers=max(1, len(names)),
+            every=every,
+            timeout_s=timeout_s,
+            credential=credential,
+            image_key=image_key,
+            on_refused=on_refused,
+        )
         for name in names:
             try:
                 tier._keepers[name] = ray.get_actor(name, namespace=namespace)
@@ -292,9 +336,9 @@ class KeeperTier:
             self._count("keeper_push_failures")
             return
         ref = ray.put(image)
-        for name, result in self._collect({n: k.put_part.remote(ref, part, token=self._credential)
-                                           for n, k in calls.items()},
-                                          self._timeout_s).items():
+        for name, result in self._collect(
+            {n: k.put_part.remote(ref, part, token=self._credential) for n, k in calls.items()}, self._timeout_s
+        ).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
                 log.warning("keeper_push_failed", keeper=name, step=image.step, part=part, error=repr(result))
@@ -303,8 +347,9 @@ class KeeperTier:
     def whole_steps(self, timeout: float = 60.0) -> dict[int, str]:
         """The newest whole step (all parts present, intact) each live keeper holds: step -> a keeper's name,
         newest step first."""
-        got = self._collect({n: k.whole_steps.remote(token=self._credential) for n, k in dict(self._keepers).items()},
-                            timeout)
+        got = self._collect(
+            {n: k.whole_steps.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
+        )
         found: dict[int, str] = {}
         for name, steps in got.items():
             for step in steps if isinstance(steps, list) else []:
@@ -414,15 +459,17 @@ class KeeperTier:
         Asks every keeper for its steps, then fetches from the one with the newest, falling back to the next.
         """
         deadline = time.monotonic() + timeout
-        held = self._collect({n: k.steps.remote(token=self._credential) for n, k in dict(self._keepers).items()},
-                             timeout)
+        held = self._collect(
+            {n: k.steps.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
+        )
         tops = sorted(((max(s), n) for n, s in held.items() if isinstance(s, list) and s), reverse=True)
         best: HostImage | None = None
         for top, name in tops:
             if (best is not None and best.step >= top) or name not in self._keepers:
                 continue
-            got = self._collect({name: self._keepers[name].latest.remote(token=self._credential)},
-                                max(0.0, deadline - time.monotonic()))
+            got = self._collect(
+                {name: self._keepers[name].latest.remote(token=self._credential)}, max(0.0, deadline - time.monotonic())
+            )
             image = got[name]
             if isinstance(image, HostImage) and self._image_key is not None and not sealed(image, self._image_key):
                 log.warning("keeper_image_refused", keeper=name, step=image.step)
@@ -435,14 +482,16 @@ class KeeperTier:
 
     def nodes(self, timeout: float = 10.0) -> dict[str, str]:
         """The node id of each keeper that answers, by name."""
-        got = self._collect({n: k.node_id.remote(token=self._credential) for n, k in dict(self._keepers).items()},
-                            timeout)
+        got = self._collect(
+            {n: k.node_id.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
+        )
         return {n: node for n, node in got.items() if isinstance(node, str)}
 
     def stats(self, timeout: float = 10.0) -> dict[str, int]:
         """Counters plus ``keeper_bytes`` (summed over the keepers answering) and ``keepers_alive``."""
-        held = self._collect({n: k.held_bytes.remote(token=self._credential)
-                              for n, k in dict(self._keepers).items()}, timeout)
+        held = self._collect(
+            {n: k.held_bytes.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
+        )
         alive = [b for b in held.values() if isinstance(b, int)]
         with self._cond:
             counters = dict(self._stats)

@@ -1,6 +1,7 @@
 """The persistent tier: asynchronous Orbax checkpoints every ``every`` steps, restorable onto any mesh.
 
-Each step directory holds two items: ``state`` (the array pytree, Orbax's ``PyTreeSave``) and ``meta`` (JSON: the controller's ``meta`` plus the saved layout, used to check a
+Each step directory holds two items: ``state`` (the array pytree, Orbax's ``PyTreeSave``) and ``meta`` (JSON: the
+controller's ``meta`` plus the saved layout, used to check a
 restore target's structure). The root metadata names the job that owns the directory; a tier never
 writes into, or deletes from, a directory owned by another job or holding anything else.
 
@@ -11,6 +12,7 @@ Orbax's replica-parallel saving (its default off GPU) is turned off: it slices r
 jitted ``slice`` per device, which blocked the first ``save`` on every new mesh for 2-5 s (64 MiB, 8 CPU
 devices) against ~0.1 s without it. The price: one replica of each shard writes it all.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,10 +52,15 @@ def _forget_orbax_client() -> None:
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's standard handlers, but ``jax.Array`` saved without replica parallelism (see module doc)."""
-    others = [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()
-              if ty is not jax.Array]
-    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=False,  # the store keeps typed keys' impl
-                                            array_metadata_store=array_metadata_store.Store())
+    others = [
+        (ty, ocp.type_handlers.get_type_handler(ty))
+        for ty in ocp.type_handlers.supported_types()
+        if ty is not jax.Array
+    ]
+    arrays = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False,  # the store keeps typed keys' impl
+        array_metadata_store=array_metadata_store.Store(),
+    )
     registry = ocp.type_handlers.create_type_handler_registry(*others, (jax.Array, arrays))
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
@@ -72,8 +79,10 @@ def _encode(x: Any, where: str = "meta") -> Any:
         if all(isinstance(k, str) for k in x) and not (len(x) == 1 and next(iter(x)) in (_TUPLE, _ITEMS)):
             return {k: _encode(v, f"{where}[{k!r}]") for k, v in x.items()}
         return {_ITEMS: [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in x.items()]}
-    raise TypeError(f"{where} is a {type(x).__name__}: meta may hold only None, bool, int, float, str, list, "
-                    "tuple and dict (convert it before saving)")
+    raise TypeError(
+        f"{where} is a {type(x).__name__}: meta may hold only None, bool, int, float, str, list, "
+        "tuple and dict (convert it before saving)"
+    )
 
 
 def _decode(x: Any) -> Any:
@@ -106,10 +115,16 @@ def _structure_diff(saved: dict[str, list], target: dict[str, list]) -> list[str
     """Readable differences between two layouts; empty when they match."""
     missing = [k for k in saved if k not in target]
     extra = [k for k in target if k not in saved]
-    differ = [f"{k}: saved {tuple(saved[k][0])} {saved[k][1]}, target {tuple(target[k][0])} {target[k][1]}"
-              for k in saved if k in target and saved[k] != target[k]]
-    return ([f"missing from target: {_some(missing)}"] if missing else []) + \
-        ([f"not in checkpoint: {_some(extra)}"] if extra else []) + ([_some(differ, 3)] if differ else [])
+    differ = [
+        f"{k}: saved {tuple(saved[k][0])} {saved[k][1]}, target {tuple(target[k][0])} {target[k][1]}"
+        for k in saved
+        if k in target and saved[k] != target[k]
+    ]
+    return (
+        ([f"missing from target: {_some(missing)}"] if missing else [])
+        + ([f"not in checkpoint: {_some(extra)}"] if extra else [])
+        + ([_some(differ, 3)] if differ else [])
+    )
 
 
 class PersistentTier:
@@ -156,17 +171,20 @@ class PersistentTier:
         except Exception as err:  # unreadable metadata: not ours to touch
             raise PersistentDirectoryError(
                 f"{self.directory} is not empty and its checkpoint metadata cannot be read ({err}): "
-                "give this job an empty directory of its own") from err
+                "give this job an empty directory of its own"
+            ) from err
         finally:
             reader.close()
         if not isinstance(owner, dict):
             raise PersistentDirectoryError(
                 f"{self.directory} is not empty and holds no checkpoints of a PersistentTier: "
-                "give this job an empty directory of its own")
+                "give this job an empty directory of its own"
+            )
         if owner.get("job") != self.job:
             raise PersistentDirectoryError(
                 f"{self.directory} holds checkpoints of job {owner.get('job')!r}, not {self.job!r}: "
-                "pick another directory, or pass that job's name to resume it")
+                "pick another directory, or pass that job's name to resume it"
+            )
         return True
 
     def due(self, step: int) -> bool:
@@ -187,8 +205,9 @@ class PersistentTier:
             return False
         record = {"meta": _encode(meta), "layout": _layout(state), "job": self.job, "format": _FORMAT}
         start = time.perf_counter()
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(record)), force=True)
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(record)), force=True
+        )
         blocked = time.perf_counter() - start
         self._saves += 1
         self._blocking += blocked
@@ -222,21 +241,27 @@ class PersistentTier:
 
         def target(path: Any, x: Any) -> jax.ShapeDtypeStruct:
             if getattr(x, "sharding", None) is None:
-                raise SnapshotStructureError(f"leaf {jax.tree_util.keystr(path)} of abstract_state has no sharding: "
-                                             "pass jax.ShapeDtypeStruct(shape, dtype, sharding=...)")
+                raise SnapshotStructureError(
+                    f"leaf {jax.tree_util.keystr(path)} of abstract_state has no sharding: "
+                    "pass jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
+                )
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
         abstract = jax.tree_util.tree_map_with_path(target, abstract_state)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-        state = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(abstract, restore_args=restore_args))).state
+        state = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args=restore_args))
+        ).state
         self._log.info("persistent_restored", step=step, seconds=round(time.perf_counter() - start, 3))
         return step, state, _decode(record["meta"])
 
     def stats(self) -> dict[str, Any]:
         """Counters: saves started, total seconds ``save`` blocked, newest saved step."""
-        return {"persistent_saves": self._saves, "persistent_blocking_seconds": self._blocking,
-                "persistent_last_step": self.latest_step()}
+        return {
+            "persistent_saves": self._saves,
+            "persistent_blocking_seconds": self._blocking,
+            "persistent_last_step": self.latest_step(),
+        }
 
     def close(self) -> None:
         """Wait for running saves, then release Orbax's resources. Idempotent."""

@@ -6,6 +6,7 @@ already holds it (no transfer between devices). A region held on fewer slices (s
 slices) is copied where it lives and gets buddy copies on other slices. Choices balance bytes per
 device. The plan depends only on shapes, dtypes and shardings, so it is computed once per layout.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -68,8 +69,9 @@ def devices_by_slice(leaves: Sequence[jax.Array], slice_of: SliceOf) -> dict[int
     return dict(out)
 
 
-def plan_leaf(leaf: jax.Array, copies: int, slice_of: SliceOf, load: dict[Any, int],
-              devices_of_slice: dict[int, list[Any]]) -> LeafPlan:
+def plan_leaf(
+    leaf: jax.Array, copies: int, slice_of: SliceOf, load: dict[Any, int], devices_of_slice: dict[int, list[Any]]
+) -> LeafPlan:
     """The copies of ``leaf``'s distinct shards; ``load`` (bytes per device so far) is updated in place.
 
     ``devices_of_slice``: the state's devices by slice (buddies are chosen among them); ``copies`` is
@@ -86,8 +88,11 @@ def plan_leaf(leaf: jax.Array, copies: int, slice_of: SliceOf, load: dict[Any, i
         holders: dict[int, list[int]] = defaultdict(list)  # slice -> shard positions holding the region
         for i in by_region[index]:
             holders[slice_of(shards[i].device)].append(i)
-        nbytes = int(np.prod([hi - lo for lo, hi in index], dtype=np.int64)) * leaf.dtype.itemsize \
-            if leaf.ndim else leaf.dtype.itemsize
+        nbytes = (
+            int(np.prod([hi - lo for lo, hi in index], dtype=np.int64)) * leaf.dtype.itemsize
+            if leaf.ndim
+            else leaf.dtype.itemsize
+        )
 
         def lightest(options: list[Any]) -> Any:
             return min(options, key=lambda d: (load[d], d.id))

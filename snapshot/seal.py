@@ -6,6 +6,7 @@ and piece regions), the pickled controller state, and every piece's bytes: the p
 accidents, not an adversary who recomputes them. Sealing and checking read every byte once (about a GB/s on one
 core here), on the keeper tier's push thread and on the restore from a keeper.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,19 @@ __all__ = ["seal", "sealed"]
 
 def _mac(image: HostImage, key: str) -> str:
     h = hashlib.blake2b(key=hashlib.sha256(key.encode()).digest(), digest_size=32)
-    layout = {"step": image.step, "generation": image.generation,
-              "leaves": [{"shape": list(leaf.shape), "dtype": leaf.dtype, "key_impl": leaf.key_impl,
-                          "pieces": [[list(r) for r in p.index] for p in leaf.pieces]} for leaf in image.leaves]}
+    layout = {
+        "step": image.step,
+        "generation": image.generation,
+        "leaves": [
+            {
+                "shape": list(leaf.shape),
+                "dtype": leaf.dtype,
+                "key_impl": leaf.key_impl,
+                "pieces": [[list(r) for r in p.index] for p in leaf.pieces],
+            }
+            for leaf in image.leaves
+        ],
+    }
     h.update(json.dumps(layout, sort_keys=True).encode())
     h.update(pickle.dumps(_canonical(image.meta), protocol=5))
     for leaf in image.leaves:

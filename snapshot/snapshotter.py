@@ -10,6 +10,7 @@ generation). A save requested while another waits behind the one in flight repla
 (``on_busy="wait"``). Nothing is dropped without being counted; a failed save leaves the previous
 generations restorable and is raised by the next ``wait()``.
 """
+
 from __future__ import annotations
 
 import copy as copylib
@@ -27,8 +28,14 @@ from jax.sharding import Sharding
 
 from .config import Restored, SnapshotConfig, SnapshotInfo
 from .engine import Copy, Engine, pick_engine
-from .errors import (NoSnapshotError, SnapshotConfigError, SnapshotCorruptError, SnapshotFailedError,
-                             SnapshotStructureError, SnapshotUnavailableError)
+from .errors import (
+    NoSnapshotError,
+    SnapshotConfigError,
+    SnapshotCorruptError,
+    SnapshotFailedError,
+    SnapshotStructureError,
+    SnapshotUnavailableError,
+)
 from .generation import Generation, Guard, PieceRecord, reachable, restore_generation, to_image
 from .image import HostImage
 from .plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
@@ -47,8 +54,14 @@ class Snapshotter:
     """Host snapshots of one job's sharded state. ``slice_of(device) -> int`` groups devices into slices;
     ``guard(devices)`` raises when a device's memory is unreachable (simulated slice loss)."""
 
-    def __init__(self, config: SnapshotConfig | None = None, *, slice_of: SliceOf | None = None,
-                 guard: Guard | None = None, on_complete: Callable[[SnapshotInfo], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: SnapshotConfig | None = None,
+        *,
+        slice_of: SliceOf | None = None,
+        guard: Guard | None = None,
+        on_complete: Callable[[SnapshotInfo], None] | None = None,
+    ) -> None:
         self.config = config or SnapshotConfig()
         self._on_complete = on_complete  # called on the background thread after each generation completes
         self._slice_of = slice_of or default_slice_of
@@ -65,9 +78,19 @@ class Snapshotter:
         self._numbers = 0
         self._closed = False
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="snapshot-copy")
-        self._stats = {"snapshots_requested": 0, "snapshots_taken": 0, "snapshots_coalesced": 0,
-                       "snapshots_failed": 0, "snapshots_abandoned": 0, "snapshots_waited": 0, "blocking_seconds": 0.0,
-                       "last_blocking_seconds": 0.0, "last_load_wait_seconds": 0.0, "copy_seconds": 0.0, "copy_bytes": 0}
+        self._stats = {
+            "snapshots_requested": 0,
+            "snapshots_taken": 0,
+            "snapshots_coalesced": 0,
+            "snapshots_failed": 0,
+            "snapshots_abandoned": 0,
+            "snapshots_waited": 0,
+            "blocking_seconds": 0.0,
+            "last_blocking_seconds": 0.0,
+            "last_load_wait_seconds": 0.0,
+            "copy_seconds": 0.0,
+            "copy_bytes": 0,
+        }
         self._worker = threading.Thread(target=self._work, name="snapshot-worker", daemon=True)
         self._worker.start()
 
@@ -97,15 +120,30 @@ class Snapshotter:
             # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that
             # holds one of them restores its own shard of this state in place. (Holding every replica would
             # also keep the others from being donated: each step after a save would allocate them anew.)
-            sources.append([[(shards[c.shard].device, v, shards[c.shard].data) for c, v in zip(p.copies, views, strict=True)]
-                            for p, views in zip(plan.pieces, staged[-1], strict=True)] if engine.name == "host" else [])
+            sources.append(
+                [
+                    [(shards[c.shard].device, v, shards[c.shard].data) for c, v in zip(p.copies, views, strict=True)]
+                    for p, views in zip(plan.pieces, staged[-1], strict=True)
+                ]
+                if engine.name == "host"
+                else []
+            )
             values.append(None)
         with self._cv:
             if self._closed:
                 raise SnapshotConfigError("the snapshotter is closed")
             self._numbers += 1
-            req = StagedRequest(number=self._numbers, step=step, treedef=treedef, plans=plans, staged=staged,
-                           sources=sources, values=values, key_impls=key_impls, meta=copylib.deepcopy(dict(meta or {})))
+            req = StagedRequest(
+                number=self._numbers,
+                step=step,
+                treedef=treedef,
+                plans=plans,
+                staged=staged,
+                sources=sources,
+                values=values,
+                key_impls=key_impls,
+                meta=copylib.deepcopy(dict(meta or {})),
+            )
             self._stats["snapshots_requested"] += 1
             if self._pending is not None and self.config.on_busy == "wait":
                 self._stats["snapshots_waited"] += 1
@@ -141,8 +179,10 @@ class Snapshotter:
             jax_arrays = [x for x in arrays if isinstance(x, jax.Array)]
             by_slice = devices_by_slice(jax_arrays, self._slice_of)
             load: dict[Any, int] = {d: 0 for ds in by_slice.values() for d in ds}
-            plans = [plan_leaf(x, self.config.copies, self._slice_of, load, by_slice) if isinstance(x, jax.Array)
-                     else None for x in arrays]
+            plans = [
+                plan_leaf(x, self.config.copies, self._slice_of, load, by_slice) if isinstance(x, jax.Array) else None
+                for x in arrays
+            ]
             if len(by_slice) < self.config.copies:
                 log.warning("snapshot_copies_capped", copies=self.config.copies, slices=len(by_slice))
             self._plans = {key: plans}  # one layout at a time: a new mesh replaces the old plan
@@ -178,8 +218,11 @@ class Snapshotter:
                 self._publish(gen)
             if self._on_complete is not None:
                 try:
-                    self._on_complete(SnapshotInfo(step=gen.step, generation=gen.number, state_bytes=gen.state_bytes,
-                                                   copies=gen.copies))
+                    self._on_complete(
+                        SnapshotInfo(
+                            step=gen.step, generation=gen.number, state_bytes=gen.state_bytes, copies=gen.copies
+                        )
+                    )
                 except Exception as err:  # noqa: BLE001 - a tier's trouble must not stop snapshots
                     log.warning("snapshot_on_complete_failed", step=gen.step, error=str(err)[:200])
             with self._cv:
@@ -233,8 +276,12 @@ class Snapshotter:
                 raise lost
             return PieceRecord(index=piece.index, checksum=digest, copies=tuple(copies))
 
-        futures = {(i, j): self._pool.submit(one_piece, i, j) for i, plan in enumerate(req.plans) if plan
-                   for j in range(len(plan.pieces))}
+        futures = {
+            (i, j): self._pool.submit(one_piece, i, j)
+            for i, plan in enumerate(req.plans)
+            if plan
+            for j in range(len(plan.pieces))
+        }
         # Every piece settles before a failure is raised: a piece still writing would otherwise land in the
         # reused buffers of the next save (this slot stays free) after that save checksummed them.
         wait_all(futures.values())
@@ -304,7 +351,8 @@ class Snapshotter:
             targets = treedef.flatten_up_to(target)
         except (ValueError, TypeError) as err:
             raise SnapshotStructureError(
-                f"the target does not match the saved state's structure {treedef}: {err}") from err
+                f"the target does not match the saved state's structure {treedef}: {err}"
+            ) from err
         targets = [t if isinstance(t, Sharding) else getattr(t, "sharding", None) for t in targets]
         if available is None:
             available = {d for t in targets if isinstance(t, Sharding) for d in t.device_set}
@@ -321,8 +369,14 @@ class Snapshotter:
                 log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
                 self._abandon(req)
                 self._stats["last_load_wait_seconds"] = 0.0
-                return Restored(step=req.step, generation=req.number, state=state, meta=copylib.deepcopy(req.meta),
-                                source="staged", shards_kept=reused)
+                return Restored(
+                    step=req.step,
+                    generation=req.number,
+                    state=state,
+                    meta=copylib.deepcopy(req.meta),
+                    source="staged",
+                    shards_kept=reused,
+                )
         t0 = time.perf_counter()
         self.wait_quietly()  # a copy in flight is newer than every complete generation: let it finish
         self._stats["last_load_wait_seconds"] = time.perf_counter() - t0
@@ -397,8 +451,14 @@ class Snapshotter:
             held = sum(b.nbytes for slot in self._slots.values() for b in slot.values())
             if not held:  # engines whose copies are jax arrays (device engine)
                 held = sum(g.held_bytes for g in self._generations)
-        s["snapshots_dropped"] = (s["snapshots_requested"] - s["snapshots_taken"] - s["snapshots_coalesced"]
-                                  - s["snapshots_failed"] - s["snapshots_abandoned"] - busy)
+        s["snapshots_dropped"] = (
+            s["snapshots_requested"]
+            - s["snapshots_taken"]
+            - s["snapshots_coalesced"]
+            - s["snapshots_failed"]
+            - s["snapshots_abandoned"]
+            - busy
+        )
         s["held_bytes"] = held
         s["state_bytes"] = newest.state_bytes if newest else 0
         s["copies"] = newest.copies if newest else 0

@@ -5,6 +5,7 @@ donated until the copy is done. A failure in that window need not wait for the c
 staged shards are the newest state, exactly. A survivor holding its own shard of its target region
 keeps it in place; every other device gets a fresh copy.
 """
+
 from __future__ import annotations
 
 import copy as copylib
@@ -46,14 +47,29 @@ class StagedRequest:
             if plan is None:
                 leaves.append(LeafRecord(is_array=False, value=self.values[i]))
                 continue
-            leaves.append(LeafRecord(shape=plan.shape, dtype=plan.dtype.name, key_impl=self.key_impls[i],
-                                     pieces=tuple(records[(i, j)] for j in range(len(plan.pieces)))))
+            leaves.append(
+                LeafRecord(
+                    shape=plan.shape,
+                    dtype=plan.dtype.name,
+                    key_impl=self.key_impls[i],
+                    pieces=tuple(records[(i, j)] for j in range(len(plan.pieces))),
+                )
+            )
         held = sum(p.nbytes * len(p.copies) for plan in self.plans if plan for p in plan.pieces)
         fewest = min((len({c.slice for c in p.copies}) for leaf in leaves for p in leaf.pieces), default=0)
-        return Generation(number=self.number, step=self.step, treedef=self.treedef, leaves=tuple(leaves),
-                          meta=self.meta, meta_checksum=meta_checksum(self.meta), slot=slot,
-                          state_bytes=sum(p.nbytes for p in self.plans if p), held_bytes=held, copies=fewest,
-                          created=time.time())
+        return Generation(
+            number=self.number,
+            step=self.step,
+            treedef=self.treedef,
+            leaves=tuple(leaves),
+            meta=self.meta,
+            meta_checksum=meta_checksum(self.meta),
+            slot=slot,
+            state_bytes=sum(p.nbytes for p in self.plans if p),
+            held_bytes=held,
+            copies=fewest,
+            created=time.time(),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +83,13 @@ class StagedLeaf:
     pieces: tuple[tuple[Index, tuple[tuple[Any, np.ndarray, jax.Array], ...]], ...]
 
 
-def restore_staged(req: StagedRequest, sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]],
-                   targets: list[Sharding | None], available: set[Any], guard: Guard | None) -> tuple[Any, int]:
+def restore_staged(
+    req: StagedRequest,
+    sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]],
+    targets: list[Sharding | None],
+    available: set[Any],
+    guard: Guard | None,
+) -> tuple[Any, int]:
     """The state of a snapshot still in flight, placed on ``targets`` from its source shards on
     ``available`` devices (live device memory: no checksum exists yet, none is needed). A device that
     holds its own shard of exactly its target region keeps it as it is (nothing moves); any other device
@@ -76,10 +97,17 @@ def restore_staged(req: StagedRequest, sources: list[list[list[tuple[Any, np.nda
 
     Raises :class:`SnapshotUnavailableError` when a piece has no source shard left on those devices.
     """
-    leaves = [req.values[i] if plan is None else StagedLeaf(
-        shape=plan.shape, dtype=plan.dtype, key_impl=req.key_impls[i],
-        pieces=tuple((p.index, tuple(sources[i][j])) for j, p in enumerate(plan.pieces)))
-        for i, plan in enumerate(req.plans)]
+    leaves = [
+        req.values[i]
+        if plan is None
+        else StagedLeaf(
+            shape=plan.shape,
+            dtype=plan.dtype,
+            key_impl=req.key_impls[i],
+            pieces=tuple((p.index, tuple(sources[i][j])) for j, p in enumerate(plan.pieces)),
+        )
+        for i, plan in enumerate(req.plans)
+    ]
     placed = []
     reused = 0
     for i, (leaf, sharding) in enumerate(zip(leaves, targets, strict=True)):

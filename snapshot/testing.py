@@ -1,4 +1,5 @@
 """Fault injection into held snapshots, for tests and drills (never used by the runtime itself)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,9 @@ def copies_of(snapshotter: Snapshotter, *, leaf: int, piece: int = 0, generation
     return list(gen.leaves[leaf].pieces[piece].copies)
 
 
-def flip_byte(snapshotter: Snapshotter, *, leaf: int, piece: int = 0, copy: int | None = None,
-              generation: int = -1, byte: int = 0) -> int:
+def flip_byte(
+    snapshotter: Snapshotter, *, leaf: int, piece: int = 0, copy: int | None = None, generation: int = -1, byte: int = 0
+) -> int:
     """Flip every bit of one byte in the host buffer of one copy (``copy=None``: every copy) of a piece,
     as a memory fault would. Returns the number of buffers changed. Host engine only."""
     changed = 0

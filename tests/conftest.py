@@ -1,4 +1,5 @@
 """Test set-up: 8 forced CPU devices (set before jax is imported) and an embedded Ray for integration tests."""
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,18 @@ def ray_local():
 
 # The longest files first: `make test` hands whole files to two workers (pytest-xdist, --dist loadfile) in
 # collection order, so starting with the long ones keeps one worker from finishing a long file alone at the end.
-_LONG_FIRST = ("test_chaos.py", "test_processes_faults.py", "test_demo_cli.py", "test_job_submit.py",
-               "test_flax.py", "test_processes.py", "test_operator_cli.py", "test_supervision_holes.py",
-               "test_data_pipeline.py", "test_tiers.py")
+_LONG_FIRST = (
+    "test_chaos.py",
+    "test_processes_faults.py",
+    "test_demo_cli.py",
+    "test_job_submit.py",
+    "test_flax.py",
+    "test_processes.py",
+    "test_operator_cli.py",
+    "test_supervision_holes.py",
+    "test_data_pipeline.py",
+    "test_tiers.py",
+)
 
 
 def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001

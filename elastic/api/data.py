@@ -17,6 +17,7 @@ iterator's ``get_state()``, so the snapshot of step k holds the position right a
 the last commit over (no rewind, no skip). A state is stored as plain data (``bytes`` as base64), so it
 travels in every snapshot tier, the JSON one included.
 """
+
 from __future__ import annotations
 
 import base64
@@ -27,8 +28,15 @@ import numpy as np
 
 from elastic.errors import ConfigError
 
-__all__ = ["POSITIONS_KEY", "DataIterator", "StatefulIterator", "from_plain", "open_data", "record_positions",
-           "to_plain"]
+__all__ = [
+    "POSITIONS_KEY",
+    "DataIterator",
+    "StatefulIterator",
+    "from_plain",
+    "open_data",
+    "record_positions",
+    "to_plain",
+]
 
 POSITIONS_KEY = "data_positions"  # run.extras[POSITIONS_KEY][name]: the plain-data state of iterator `name`
 _BYTES = "__bytes_b64__"
@@ -61,9 +69,11 @@ def to_plain(state: Any, where: str = "state") -> Any:
         return type(state)(to_plain(v, f"{where}[{i}]") for i, v in enumerate(state))
     if isinstance(state, dict) and all(isinstance(k, str) for k in state):
         return {k: to_plain(v, f"{where}[{k!r}]") for k, v in state.items()}
-    raise ConfigError(f"{where} is a {type(state).__name__}: an iterator's get_state() must return plain data "
-                      "(None, bool, int, float, str, bytes, and lists, tuples and str-keyed dicts of them) to be "
-                      "saved with the snapshot")
+    raise ConfigError(
+        f"{where} is a {type(state).__name__}: an iterator's get_state() must return plain data "
+        "(None, bool, int, float, str, bytes, and lists, tuples and str-keyed dicts of them) to be "
+        "saved with the snapshot"
+    )
 
 
 def from_plain(plain: Any) -> Any:
@@ -92,13 +102,17 @@ class DataIterator:
     def __next__(self) -> Any:
         step = self._current_step()
         if step is None:
-            raise ConfigError(f"next() on data {self.name!r} outside a step: pull a step's batches inside "
-                              "`for step in run.steps`, before that step's run.commit (never ahead of it)")
+            raise ConfigError(
+                f"next() on data {self.name!r} outside a step: pull a step's batches inside "
+                "`for step in run.steps`, before that step's run.commit (never ahead of it)"
+            )
         try:
             return next(self.iterator)
         except StopIteration as err:
-            raise ConfigError(f"data {self.name!r} ran out at step {step}: the pipeline must yield a batch for "
-                              "every step up to num_steps (repeat it, e.g. num_epochs=None)") from err
+            raise ConfigError(
+                f"data {self.name!r} ran out at step {step}: the pipeline must yield a batch for "
+                "every step up to num_steps (repeat it, e.g. num_epochs=None)"
+            ) from err
 
     def position(self) -> Any:
         """The iterator's current state as plain data (what :func:`record_positions` stores)."""
@@ -107,19 +121,23 @@ class DataIterator:
 
 def _build(source: Source, name: str) -> Any:
     if isinstance(source, Iterator):
-        raise ConfigError(f"data {name!r}: got an iterator ({type(source).__name__}); pass the pipeline itself "
-                          "(e.g. a grain DataLoader or IterDataset) or a function that builds a fresh iterator: "
-                          "every pass of the loop builds its own and positions it from the snapshot")
+        raise ConfigError(
+            f"data {name!r}: got an iterator ({type(source).__name__}); pass the pipeline itself "
+            "(e.g. a grain DataLoader or IterDataset) or a function that builds a fresh iterator: "
+            "every pass of the loop builds its own and positions it from the snapshot"
+        )
     if isinstance(source, Iterable):
         return iter(source)
     if callable(source):
         return source()
-    raise ConfigError(f"data {name!r}: {type(source).__name__} is neither iterable nor a function returning an "
-                      "iterator")
+    raise ConfigError(
+        f"data {name!r}: {type(source).__name__} is neither iterable nor a function returning an iterator"
+    )
 
 
-def open_data(source: Source, *, name: str, extras: Mapping[str, Any], start_step: int,
-              current_step: Callable[[], int | None]) -> DataIterator:
+def open_data(
+    source: Source, *, name: str, extras: Mapping[str, Any], start_step: int, current_step: Callable[[], int | None]
+) -> DataIterator:
     """Build ``source``'s iterator and position it at the state saved under ``name`` in ``extras``.
 
     Raises ``ConfigError`` when the iterator lacks ``get_state``/``set_state``, its state is not plain
@@ -131,14 +149,17 @@ def open_data(source: Source, *, name: str, extras: Mapping[str, Any], start_ste
             "cannot be saved with the snapshot and restored with the model. Use an iterator that has them (grain's "
             "DataLoader and IterDataset iterators do; wrap another pipeline in a class whose get_state() returns "
             "the batches taken so far and whose set_state() rebuilds and skips ahead), or address the data by "
-            "step: batch = get_batch(step) inside `for step in run.steps`")
+            "step: batch = get_batch(step) inside `for step in run.steps`"
+        )
     saved = extras.get(POSITIONS_KEY, {}).get(name)
     if saved is not None:
         iterator.set_state(from_plain(saved))
     elif start_step > 0:
-        raise ConfigError(f"data {name!r}: the snapshot of step {start_step} holds no position for it (saved: "
-                          f"{sorted(extras.get(POSITIONS_KEY, {}))}); open it with run.data in every pass, "
-                          "under the same name, from step 0")
+        raise ConfigError(
+            f"data {name!r}: the snapshot of step {start_step} holds no position for it (saved: "
+            f"{sorted(extras.get(POSITIONS_KEY, {}))}); open it with run.data in every pass, "
+            "under the same name, from step 0"
+        )
     data = DataIterator(name, iterator, current_step)
     data.position()  # a state that cannot be saved fails here, before the first step
     return data

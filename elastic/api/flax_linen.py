@@ -3,14 +3,16 @@
 Linen is functional already; what a job needs is one pytree holding everything a step changes, so that
 the snapshot and a reshard carry all of it::
 
-    adapter = LinenAdapter(module=CNN(), tx=optax.adam(1e-3), sample_input=jnp.zeros((1, 28, 28, 1)),
-                           train_kwargs={"train": True})
+    adapter = LinenAdapter(
+        module=CNN(), tx=optax.adam(1e-3), sample_input=jnp.zeros((1, 28, 28, 1)), train_kwargs={"train": True}
+    )
     job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn)
-    step_fn = run.jit(adapter.step(loss_fn))       # loss_fn(outputs, *targets) -> loss | (loss, metrics)
-    state, metrics = step_fn(state, x, y)          # metrics: {"loss": ..., **yours}
+    step_fn = run.jit(adapter.step(loss_fn))  # loss_fn(outputs, *targets) -> loss | (loss, metrics)
+    state, metrics = step_fn(state, x, y)  # metrics: {"loss": ..., **yours}
 
 Needs flax (``pip install 'jax-elastic[flax]'``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -82,10 +84,17 @@ class LinenAdapter:
         variables = self.module.init(rngs, inputs, **self.init_kwargs)
         extra = sorted(set(variables) - set(_COLLECTIONS))
         if extra:
-            raise ConfigError(f"{type(self.module).__name__} has variable collections {extra}: LinenAdapter keeps "
-                              f"only {list(_COLLECTIONS)}")
-        return TrainState.create(apply_fn=self.module.apply, params=variables["params"], tx=self.tx,
-                                 batch_stats=variables.get("batch_stats", {}), key=k_state)
+            raise ConfigError(
+                f"{type(self.module).__name__} has variable collections {extra}: LinenAdapter keeps "
+                f"only {list(_COLLECTIONS)}"
+            )
+        return TrainState.create(
+            apply_fn=self.module.apply,
+            params=variables["params"],
+            tx=self.tx,
+            batch_stats=variables.get("batch_stats", {}),
+            key=k_state,
+        )
 
     def _stream_keys(self, key: jax.Array) -> dict[str, jax.Array]:
         return {name: jax.random.fold_in(key, i) for i, name in enumerate(self.rng_streams)}
@@ -108,8 +117,9 @@ class LinenAdapter:
             rules = [*self.axis_rules, *(getattr(leaf, "rules", None) or ())]
             return mesh_spec(PartitionSpec(*leaf.names), rules, mesh, where=f"state leaf {jax.tree_util.keystr(path)}")
 
-        return jax.tree_util.tree_map_with_path(spec, self._abstract_boxed,
-                                                is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
+        return jax.tree_util.tree_map_with_path(
+            spec, self._abstract_boxed, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata)
+        )
 
     def variables(self, state: TrainState) -> dict[str, Any]:
         """``state``'s variables for ``module.apply`` (e.g. to evaluate with ``train=False``)."""

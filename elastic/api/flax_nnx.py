@@ -6,16 +6,19 @@ an in-place ``train_step(model, optimizer, batch)`` under ``jax.jit`` silently t
 parameters, the optimizer state, every RNG stream and the BatchNorm statistics: all of it snapshotted and
 resharded) and the in-place step into ``step(state, *batch) -> (state, out)``::
 
-    adapter = NnxAdapter(model_fn=lambda rngs: CNN(rngs=rngs),
-                         optimizer_fn=lambda model: nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
+    adapter = NnxAdapter(
+        model_fn=lambda rngs: CNN(rngs=rngs),
+        optimizer_fn=lambda model: nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+    )
     job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn)
-    step_fn = run.jit(adapter.step(train_step))      # train_step: the tutorial's, @nnx.jit or not
+    step_fn = run.jit(adapter.step(train_step))  # train_step: the tutorial's, @nnx.jit or not
     state, loss = step_fn(state, x, y)
-    model = adapter.module(state)                    # the module back, e.g. for eval
+    model = adapter.module(state)  # the module back, e.g. for eval
 
 Needs flax (``pip install 'jax-elastic[flax]'``). ``run.jit`` calls :func:`check_functional` to refuse the
 trap (only once ``flax.nnx`` is imported).
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +43,12 @@ __all__ = ["AxisRules", "NnxAdapter", "check_functional", "check_rules", "mesh_s
 AxisRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 """Annotation axis name -> mesh axis (or axes, or None: replicated), as flax's logical axis rules."""
 
-_FIX = ("use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit (it merges, runs and splits the "
-        "module inside the jit; further NNX objects the step takes, metrics..., go into the state with "
-        "NnxAdapter(extras_fn=...)), or pass the @nnx.jit function to run.guard with every object it takes merged "
-        "from run.state in each pass")
+_FIX = (
+    "use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit (it merges, runs and splits the "
+    "module inside the jit; further NNX objects the step takes, metrics..., go into the state with "
+    "NnxAdapter(extras_fn=...)), or pass the @nnx.jit function to run.guard with every object it takes merged "
+    "from run.state in each pass"
+)
 
 
 def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
@@ -51,8 +56,9 @@ def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
     pairs: tuple[Any, ...] = tuple(tuple(r) if isinstance(r, (tuple, list)) else r for r in rules)
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise ConfigError(f"axis_rules entry {pair!r}: give (annotation name, mesh axis or None) pairs, "
-                              "e.g. [('model', 'local')]")
+            raise ConfigError(
+                f"axis_rules entry {pair!r}: give (annotation name, mesh axis or None) pairs, e.g. [('model', 'local')]"
+            )
     return pairs
 
 
@@ -64,8 +70,10 @@ def mesh_spec(spec: PartitionSpec, rules: AxisRules, mesh: Mesh, *, where: str) 
     for entry in entries:
         for name in entry if isinstance(entry, tuple) else (entry,):
             if isinstance(name, str) and name not in mesh.axis_names:
-                raise ConfigError(f"{where} is annotated with axis {name!r}, which the mesh {tuple(mesh.axis_names)} "
-                                  f"lacks: map it with axis_rules=[({name!r}, 'local'), ...] (or None to replicate)")
+                raise ConfigError(
+                    f"{where} is annotated with axis {name!r}, which the mesh {tuple(mesh.axis_names)} "
+                    f"lacks: map it with axis_rules=[({name!r}, 'local'), ...] (or None to replicate)"
+                )
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
@@ -105,13 +113,17 @@ class NnxAdapter:
             optimizer = self.optimizer_fn(model)
             extras = self.extras_fn(model) if self.extras_fn is not None else ()
         if not isinstance(optimizer, nnx.Pytree):
-            raise ConfigError(f"optimizer_fn(model) returned {type(optimizer).__name__}: return an nnx.Optimizer "
-                              "(e.g. nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))")
+            raise ConfigError(
+                f"optimizer_fn(model) returned {type(optimizer).__name__}: return an nnx.Optimizer "
+                "(e.g. nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))"
+            )
         extras = extras if isinstance(extras, tuple) else (extras,)
         for extra in extras:
             if not isinstance(extra, nnx.Pytree):
-                raise ConfigError(f"extras_fn(model) returned {type(extra).__name__}: return NNX objects (an "
-                                  "nnx.MultiMetric, a module...), one or a tuple")
+                raise ConfigError(
+                    f"extras_fn(model) returned {type(extra).__name__}: return NNX objects (an "
+                    "nnx.MultiMetric, a module...), one or a tuple"
+                )
         return (model, optimizer, *extras)
 
     @functools.cached_property
@@ -134,8 +146,10 @@ class NnxAdapter:
         with flax_spmd.logical_axis_rules(tuple(self.axis_rules)):
             specs = nnx.get_partition_spec(self._abstract[1])
         paths = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        fixed = [mesh_spec(spec, (), mesh, where=f"state leaf {jax.tree_util.keystr(path)}")  # rules applied above
-                 for path, spec in paths]
+        fixed = [
+            mesh_spec(spec, (), mesh, where=f"state leaf {jax.tree_util.keystr(path)}")  # rules applied above
+            for path, spec in paths
+        ]
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         return jax.tree_util.tree_unflatten(treedef, fixed)
 
@@ -163,8 +177,10 @@ class NnxAdapter:
             out = train_step(*objects, *args, **kwargs)
             new_graphdef, new_state = nnx.split(objects)
             if new_graphdef != graphdef:
-                raise ConfigError(f"{_name(train_step)} changed the structure of the model or optimizer (added or "
-                                  "removed attributes, or switched train/eval mode): a step may only update values")
+                raise ConfigError(
+                    f"{_name(train_step)} changed the structure of the model or optimizer (added or "
+                    "removed attributes, or switched train/eval mode): a step may only update values"
+                )
             return new_state, out
 
         # named after train_step, but no ``__wrapped__``: jax must see this signature, not the in-place one's
@@ -196,8 +212,9 @@ def _graph_nodes(args: Iterable[Any]) -> list[str]:
     return found
 
 
-def check_functional(fn: Any, args: tuple[Any, ...] | None = None, kwargs: Mapping[str, Any] | None = None,
-                     *, where: str = "run.jit") -> bool:
+def check_functional(
+    fn: Any, args: tuple[Any, ...] | None = None, kwargs: Mapping[str, Any] | None = None, *, where: str = "run.jit"
+) -> bool:
     """Refuse (``ConfigError``) NNX code that ``jax.jit`` would run with its in-place updates dropped: ``fn``
     an ``nnx.jit`` function given to ``run.jit`` (``args is None``), or a ``jax.jit`` function called with NNX
     graph nodes (``nn.Module``, ``nnx.Optimizer``, ``nnx.Rngs``...) in ``args``/``kwargs``. True when ``fn`` is
@@ -205,13 +222,17 @@ def check_functional(fn: Any, args: tuple[Any, ...] | None = None, kwargs: Mappi
     transform = _nnx_transform(fn)
     if args is None:
         if transform is not None:
-            raise ConfigError(f"{where} got {_name(fn)}, an nnx.jit function: jax.jit would drop its in-place "
-                              f"updates to the model and optimizer and silently train nothing; {_FIX}")
+            raise ConfigError(
+                f"{where} got {_name(fn)}, an nnx.jit function: jax.jit would drop its in-place "
+                f"updates to the model and optimizer and silently train nothing; {_FIX}"
+            )
         return False
     if transform is not None:
         return True
     nodes = _graph_nodes([*args, *(kwargs or {}).values()])
     if nodes:
-        raise ConfigError(f"{where}: {_name(fn)} was called with NNX graph nodes ({', '.join(nodes[:4])}): under "
-                          f"jax.jit their in-place updates are dropped and nothing trains; {_FIX}")
+        raise ConfigError(
+            f"{where}: {_name(fn)} was called with NNX graph nodes ({', '.join(nodes[:4])}): under "
+            f"jax.jit their in-place updates are dropped and nothing trains; {_FIX}"
+        )
     return False

@@ -5,11 +5,12 @@ connects to Ray, launches the supervisor and agents, and hands the loop to the
 :class:`~elastic.control.controller.Controller`, whose state machine carries the job through failures in the
 same process.
 """
+
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -18,26 +19,26 @@ import structlog
 from jax.sharding import Mesh
 
 from elastic import runtime
-from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup, connect, job_token
-from elastic.config import ElasticConfig, check_batch_splits
-from elastic.control.controller import Controller, JobResult, StepCallback
-from elastic.placements.local import LocalPlacement
-from elastic.errors import ConfigError, ElasticError
-from elastic.log import configure_logging, get_logger
-from elastic.supervision import events
 from elastic.api import orbax_io
-from elastic.supervision.credential import derive
-from elastic.supervision.events import EventStream
-from elastic.control.job_events import ClientEvents
-from elastic.supervision.membership import View
-from elastic.control.metrics import JobMetrics
-from elastic.control.report import Ledger, Report, Timeline
 from elastic.api.run import Run
 from elastic.api.shardings import check_splits, replicate_all, state_shardings
+from elastic.config import ElasticConfig, check_batch_splits
+from elastic.control.accounting import Accounting
+from elastic.control.cluster import ActorGroup, connect, job_token
+from elastic.control.controller import Controller, JobResult, StepCallback
+from elastic.control.job_events import ClientEvents
+from elastic.control.metrics import JobMetrics
+from elastic.control.report import Ledger, Report, Timeline
 from elastic.control.tiers import TierSet
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
+from elastic.errors import ConfigError, ElasticError
+from elastic.log import configure_logging, get_logger
+from elastic.placements.local import LocalPlacement
 from elastic.snapshot import SnapshotInfo
+from elastic.supervision import events
+from elastic.supervision.credential import derive
+from elastic.supervision.events import EventStream
+from elastic.supervision.membership import View
 
 __all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
 
@@ -60,7 +61,10 @@ class FaultPlan(Protocol):
     def worker_hooks(self) -> list[Callable[[Any], None]]:
         """Multi-process mode: the step hooks each worker runs to carry out its share of the plan."""
         ...
+
+
 ShardingsFn = Callable[[Mesh], Any]
+
 
 def _use_compilation_cache(job_name: str) -> str:
     """Turn on JAX's persistent compilation cache in a job-scoped directory (unless the application set
@@ -91,12 +95,22 @@ class ElasticJob:
     to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.supervision.events`).
     """
 
-    def __init__(self, config: ElasticConfig, *, init_fn: InitFn, shardings_fn: ShardingsFn | None = None,
-                 mesh_fn: runtime.MeshFn | None = None, faults: FaultPlan | None = None,
-                 agent_nodes: dict[int, str] | None = None, on_step: StepCallback | None = None,
-                 ray_address: str | None = None, microbatched: bool = False,
-                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None,
-                 record_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        init_fn: InitFn,
+        shardings_fn: ShardingsFn | None = None,
+        mesh_fn: runtime.MeshFn | None = None,
+        faults: FaultPlan | None = None,
+        agent_nodes: dict[int, str] | None = None,
+        on_step: StepCallback | None = None,
+        ray_address: str | None = None,
+        microbatched: bool = False,
+        init_from: str | os.PathLike | None = None,
+        save_final_to: str | os.PathLike | None = None,
+        record_dir: str | os.PathLike | None = None,
+    ) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
         for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
@@ -109,7 +123,8 @@ class ElasticJob:
         self._agent_nodes = agent_nodes
         self._on_step = on_step
         self._ray_address = ray_address
-        # Fault-injection seam (elastic.chaos.catalogue): callables (phase, step, view) run inside each restore ("restore")
+        # Fault-injection seam (elastic.chaos.catalogue): callables (phase, step, view) run inside each restore
+        # ("restore")
         # and live move ("reshard", "grow"), once its transfers are dispatched and before they are waited on.
         self.during_prepare: list[Callable[[str, int, View], None]] = []
         if not structlog.is_configured():  # events go to stderr unless the application set structlog up
@@ -124,17 +139,21 @@ class ElasticJob:
         self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         if not jax.tree_util.tree_leaves(self._abstract):
-            raise ConfigError(f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
-                              "the state to train, a pytree of arrays (e.g. a dict of parameters)")
+            raise ConfigError(
+                f"init_fn(key) returned a state with no array leaves ({self._abstract!r}): return "
+                "the state to train, a pytree of arrays (e.g. a dict of parameters)"
+            )
         self._init_from, self.init_step = None, 0
         if init_from is not None:  # read at the first fresh start; its tree is checked now
             self._init_from, found = orbax_io.resolve(init_from)
             orbax_io.check_matches(self._init_from, self._abstract)
             self.init_step = found or 0  # a CheckpointManager's step S: the job continues at step S
             if self.init_step >= config.num_steps:
-                raise ConfigError(f"init_from={str(init_from)!r} is the checkpoint of step {self.init_step}: the run "
-                                  f"continues from there, so num_steps ({config.num_steps}) must exceed it (num_steps "
-                                  "counts from step 0, as the checkpoint's run did)")
+                raise ConfigError(
+                    f"init_from={str(init_from)!r} is the checkpoint of step {self.init_step}: the run "
+                    f"continues from there, so num_steps ({config.num_steps}) must exceed it (num_steps "
+                    "counts from step 0, as the checkpoint's run did)"
+                )
         self._save_final_to = None if save_final_to is None else orbax_io.check_new_directory(save_final_to)
         self._record_dir = record_dir or os.environ.get(RECORD_DIR_ENV) or None
         self._client_events: ClientEvents | None = None
@@ -161,8 +180,11 @@ class ElasticJob:
     def _topology(self) -> runtime.Topology:
         cfg = self.config
         if self._multi:  # the slices' devices live in the workers: this process only names them
-            return runtime.Topology(slices=tuple(runtime.Slice(index=i, devices=tuple(range(cfg.devices_per_slice)))
-                                                 for i in range(cfg.num_slices)))
+            return runtime.Topology(
+                slices=tuple(
+                    runtime.Slice(index=i, devices=tuple(range(cfg.devices_per_slice))) for i in range(cfg.num_slices)
+                )
+            )
         try:
             if cfg.simulated:
                 return runtime.simulated_topology(cfg.num_slices, cfg.devices_per_slice)
@@ -170,8 +192,9 @@ class ElasticJob:
         except runtime.TopologyError as err:
             raise ConfigError(str(err)) from err
         if topo.num_slices != cfg.num_slices:
-            raise ConfigError(f"found {topo.num_slices} slices of {cfg.devices_per_slice} devices, "
-                              f"but num_slices={cfg.num_slices}")
+            raise ConfigError(
+                f"found {topo.num_slices} slices of {cfg.devices_per_slice} devices, but num_slices={cfg.num_slices}"
+            )
         return topo
 
     def _shardings(self, mesh: Mesh) -> Any:
@@ -187,8 +210,9 @@ class ElasticJob:
         ``mesh_fn`` needs the devices: its meshes are checked by the workers as they form)."""
         if self._mesh_fn is not None:
             return
-        mesh = jax.sharding.AbstractMesh((count, self.config.devices_per_slice), (runtime.REPLICA_AXIS,
-                                                                                   runtime.LOCAL_AXIS))
+        mesh = jax.sharding.AbstractMesh(
+            (count, self.config.devices_per_slice), (runtime.REPLICA_AXIS, runtime.LOCAL_AXIS)
+        )
         try:
             check_splits(self._abstract, self._shardings_fn, mesh)  # type: ignore[arg-type]
         except ConfigError:
@@ -215,8 +239,12 @@ class ElasticJob:
                 from elastic.snapshot.keeper import KeeperTier
 
                 keeper = derive(token, "keeper")
-                self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(
-                    self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1, credential=keeper).start()
+                self._keepers = (
+                    KeeperTier.attach(self.config.namespace, credential=keeper)
+                    or KeeperTier(
+                        self.config.namespace, num_keepers=self.config.tiers.keepers, keep=1, credential=keeper
+                    ).start()
+                )
             self._group.launch()
             if self._tiers is not None:
                 self._tiers.on_event = self._acct.timeline.add
@@ -225,11 +253,13 @@ class ElasticJob:
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
-            stream = EventStream(self.config.job_name, self._group.run, f"client-{os.getpid()}",
-                                 key=self._group.stream_key)
+            stream = EventStream(
+                self.config.job_name, self._group.run, f"client-{os.getpid()}", key=self._group.stream_key
+            )
             self._client_events = ClientEvents(stream, self._last_completed).attach(self._acct)
-        self._watcher = ViewWatcher(self._group.supervisor, View(), job=self.config.job_name,
-                                    lost_after_s=supervisor_lost_after_s(self.config))
+        self._watcher = ViewWatcher(
+            self._group.supervisor, View(), job=self.config.job_name, lost_after_s=supervisor_lost_after_s(self.config)
+        )
         return self
 
     def _snapshot_stats(self) -> dict[str, Any]:
@@ -246,11 +276,18 @@ class ElasticJob:
         from elastic.placements.worker import WorkerSpec
 
         hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
-        return WorkerSpec(config=self.config, init_fn=self._init_fn, shardings_fn=self._shardings_fn,
-                          mesh_fn=self._mesh_fn, init_from=None if self._init_from is None else str(self._init_from),
-                          init_step=self.init_step,
-                          step_hooks=tuple(hooks), cache_dir=self._cache_dir,
-                          keepers=bool(self.config.tiers.keeper_every), keeper_credential=derive(token, "keeper"))
+        return WorkerSpec(
+            config=self.config,
+            init_fn=self._init_fn,
+            shardings_fn=self._shardings_fn,
+            mesh_fn=self._mesh_fn,
+            init_from=None if self._init_from is None else str(self._init_from),
+            init_step=self.init_step,
+            step_hooks=tuple(hooks),
+            cache_dir=self._cache_dir,
+            keepers=bool(self.config.tiers.keeper_every),
+            keeper_credential=derive(token, "keeper"),
+        )
 
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
@@ -298,8 +335,10 @@ class ElasticJob:
         """The newest complete in-memory snapshot, once any in flight has finished (``NoSnapshotError``
         before the first). Single-process mode."""
         if self._tiers is None:
-            raise ElasticError("latest_snapshot() reads the single-process snapshotter; in multi-process mode each "
-                               "worker holds its own (see the report's snapshot figures)")
+            raise ElasticError(
+                "latest_snapshot() reads the single-process snapshotter; in multi-process mode each "
+                "worker holds its own (see the report's snapshot figures)"
+            )
         return self._tiers.latest()
 
     @property
@@ -318,9 +357,16 @@ class ElasticJob:
         if self._faults is not None and len(self._faults):
             hooks.append(self._faults.injector(self))
         self._placement = placement = self._new_placement()
-        self.controller = controller = Controller(config=self.config, placement=placement, watcher=self._watcher,
-                                                  group=self.group, accounting=self._acct, before_step=hooks,
-                                                  on_step=self._on_step, during_prepare=self.during_prepare)
+        self.controller = controller = Controller(
+            config=self.config,
+            placement=placement,
+            watcher=self._watcher,
+            group=self.group,
+            accounting=self._acct,
+            before_step=hooks,
+            on_step=self._on_step,
+            during_prepare=self.during_prepare,
+        )
         try:
             result = controller.run(loop)
             if self._save_final_to is not None:
@@ -337,14 +383,27 @@ class ElasticJob:
     def _new_placement(self) -> Any:
         if not self._multi:
             assert self._tiers is not None
-            return LocalPlacement(self.config, topology=self.topology, mesh_fn=self._mesh_fn,
-                                  shardings=self._shardings, init_fn=self._init_fn, tiers=self._tiers,
-                                  initial_state=self._initial_state, init_step=self.init_step)
+            return LocalPlacement(
+                self.config,
+                topology=self.topology,
+                mesh_fn=self._mesh_fn,
+                shardings=self._shardings,
+                init_fn=self._init_fn,
+                tiers=self._tiers,
+                initial_state=self._initial_state,
+                init_step=self.init_step,
+            )
         from elastic.placements.processes import ProcessPlacement
 
-        return ProcessPlacement(self.config, spec=self._worker_processes._spec, group=lambda: self.group,  # noqa: SLF001
-                                accounting=self._acct, keepers=lambda: self._keepers, cache_dir=self._cache_dir,
-                                factory=self._worker_processes)
+        return ProcessPlacement(
+            self.config,
+            spec=self._worker_processes._spec,
+            group=lambda: self.group,  # noqa: SLF001
+            accounting=self._acct,
+            keepers=lambda: self._keepers,
+            cache_dir=self._cache_dir,
+            factory=self._worker_processes,
+        )
 
     @property
     def _initial_state(self) -> Callable[[Any], Any] | None:

@@ -19,6 +19,7 @@ checkpoint. A checkpoint with no step in its path starts at step 0.
 ``ocp.StandardCheckpointer``, readable without this package. ``path`` must not exist yet (nothing already
 saved is overwritten), checked at construction.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ _ITEM_NAMES = ("default", "state")  # the item names CheckpointManager users usu
 
 
 def _is_pytree_checkpoint(path: epath.Path) -> bool:
-    return path.is_dir() and ((path / "_METADATA").exists() or (path / "_CHECKPOINT_METADATA").exists()
-                              and (path / "manifest.ocdbt").exists())
+    return path.is_dir() and (
+        (path / "_METADATA").exists() or (path / "_CHECKPOINT_METADATA").exists() and (path / "manifest.ocdbt").exists()
+    )
 
 
 def _steps(path: epath.Path) -> list[int]:
@@ -65,8 +67,10 @@ def resolve(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
     if len(named) == 1 or len(items) == 1:
         return (named or items)[0], step
     found = sorted(p.name for p in items)
-    raise ConfigError(f"init_from={str(path)!r}: no single Orbax pytree checkpoint there (items: {found or 'none'}); "
-                      "point at the item's directory itself, e.g. <root>/<step>/<item>")
+    raise ConfigError(
+        f"init_from={str(path)!r}: no single Orbax pytree checkpoint there (items: {found or 'none'}); "
+        "point at the item's directory itself, e.g. <root>/<step>/<item>"
+    )
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -89,8 +93,11 @@ def _name(path: tuple[Any, ...]) -> str:
 
 
 def _layout(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {_name(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if hasattr(x, "shape")}
+    return {
+        _name(p): (tuple(x.shape), str(x.dtype))
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if hasattr(x, "shape")
+    }
 
 
 def check_matches(path: epath.Path, abstract: Any) -> None:
@@ -103,8 +110,11 @@ def check_matches(path: epath.Path, abstract: Any) -> None:
     wanted = _layout(jax.tree_util.tree_map(_plain_dtype, abstract))
     problems = [f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
     problems += [f"{k}: in the checkpoint, not in init_fn's state" for k in sorted(saved.keys() - wanted.keys())]
-    problems += [f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, state {wanted[k][0]} {wanted[k][1]}"
-                 for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
+    problems += [
+        f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, state {wanted[k][0]} {wanted[k][1]}"
+        for k in sorted(saved.keys() & wanted.keys())
+        if saved[k] != wanted[k]
+    ]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ConfigError(f"the Orbax checkpoint at {path} does not match init_fn's state: {shown}")
@@ -119,7 +129,9 @@ def _plain_dtype(x: Any) -> Any:
 
 def restore_onto(path: epath.Path, abstract: Any, shardings: Any) -> Any:
     """The checkpoint's state, placed on ``shardings`` (one per leaf of ``abstract``)."""
-    target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    target = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
     return ocp.StandardCheckpointer().restore(path, target)
 
 

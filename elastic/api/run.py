@@ -8,6 +8,7 @@ ready within ``config.step_timeout_s`` (a pass's first step: ``FIRST_STEP_FACTOR
 iterator: when the membership view has changed, ``run.steps`` ends the pass before the next step starts
 (the code after ``commit`` always runs), and the job re-enters the loop on the new mesh.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,11 +23,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from elastic.config import ElasticConfig, check_batch_splits
 from elastic.api.data import DataIterator, Source, open_data, record_positions
+from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
-from elastic.supervision.membership import View
 from elastic.runtime import batch_sharding, guarded, hangs, wait_ready
+from elastic.supervision.membership import View
 
 __all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
 
@@ -90,8 +91,9 @@ def _live(tree: Any) -> Any:
 class Run:
     """One pass of the user's loop over one membership view. Built by the controller."""
 
-    def __init__(self, host: RunHost, *, view: View, mesh: Mesh, state: Any, start_step: int,
-                 extras: dict[str, Any]) -> None:
+    def __init__(
+        self, host: RunHost, *, view: View, mesh: Mesh, state: Any, start_step: int, extras: dict[str, Any]
+    ) -> None:
         self._host = host
         self.view = view
         self.mesh = mesh
@@ -160,13 +162,23 @@ class Run:
             raise ConfigError("run.commit() must be called once per step, inside `for step in run.steps`")
         first = step == self.start_step  # the first step on this mesh gets FIRST_STEP_FACTOR x the time
         if self._host.config.step_wait_s(first=first) is None and hangs.blocked():
-            raise ConfigError(f"step {step} hangs (Faults.hang_step) with the step watchdog off: set "
-                              "ElasticConfig.step_timeout_s to drill hangs")
+            raise ConfigError(
+                f"step {step} hangs (Faults.hang_step) with the step watchdog off: set "
+                "ElasticConfig.step_timeout_s to drill hangs"
+            )
         self._pending = None
         record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
         extras = self.extras if self._window == 1 else copy.deepcopy(self.extras)
-        self._unconfirmed.append(_Unconfirmed(step=step, state=state, metrics=metrics,
-                                              batch=step if batch is None else batch, extras=extras, first=first))
+        self._unconfirmed.append(
+            _Unconfirmed(
+                step=step,
+                state=state,
+                metrics=metrics,
+                batch=step if batch is None else batch,
+                extras=extras,
+                first=first,
+            )
+        )
         self._confirm(keep=0 if self._host.must_confirm(step) else self._window - 1)
 
     def settle(self) -> None:
@@ -177,8 +189,13 @@ class Run:
         """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
-            wait_ready(_live((u.state, u.metrics)), self._devices, timeout_s=self._host.config.step_wait_s(first=u.first),
-                       what=f"step {u.step}{' (the first of this pass)' if u.first else ''}", hint=self._hang_hint)
+            wait_ready(
+                _live((u.state, u.metrics)),
+                self._devices,
+                timeout_s=self._host.config.step_wait_s(first=u.first),
+                what=f"step {u.step}{' (the first of this pass)' if u.first else ''}",
+                hint=self._hang_hint,
+            )
             self._unconfirmed.popleft()
             self.state = u.state
             live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
@@ -194,8 +211,9 @@ class Run:
         ``next()`` it inside each step, before ``commit`` (see :mod:`elastic.api.data`)."""
         if name in self._data:
             raise ConfigError(f"run.data(name={name!r}) was already opened in this pass: give each pipeline its name")
-        self._data[name] = open_data(source, name=name, extras=self.extras, start_step=self.start_step,
-                                     current_step=lambda: self._pending)
+        self._data[name] = open_data(
+            source, name=name, extras=self.extras, start_step=self.start_step, current_step=lambda: self._pending
+        )
         return self._data[name]
 
     def batches(self, source: Source, *, name: str = "data") -> Iterator[tuple[int, Any]]:
@@ -206,8 +224,10 @@ class Run:
 
     @property
     def _hang_hint(self) -> str:
-        return (f"step_timeout_s={self._host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
-                "can legitimately take longer")
+        return (
+            f"step_timeout_s={self._host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
+            "can legitimately take longer"
+        )
 
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call
@@ -273,12 +293,16 @@ def batch_rows(batch: Any, *, what: str) -> int:
     for path, leaf in leaves:
         shape = np.shape(leaf)
         if not shape:
-            raise ConfigError(f"{what} a leaf {jax.tree_util.keystr(path)} of shape () with no leading (batch) "
-                              "dimension: give every leaf the batch as its first dimension")
+            raise ConfigError(
+                f"{what} a leaf {jax.tree_util.keystr(path)} of shape () with no leading (batch) "
+                "dimension: give every leaf the batch as its first dimension"
+            )
         sizes.setdefault(shape[0], jax.tree_util.keystr(path))
     if len(sizes) != 1:
         named = ", ".join(f"{n} at {p or 'the root'}" for n, p in sorted(sizes.items()))
-        raise ConfigError(f"{what} leaves with different leading sizes {sorted(sizes)} ({named}): every leaf's "
-                          "leading dimension is the batch")
+        raise ConfigError(
+            f"{what} leaves with different leading sizes {sorted(sizes)} ({named}): every leaf's "
+            "leading dimension is the batch"
+        )
     (rows,) = sizes
     return rows

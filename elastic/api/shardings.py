@@ -1,5 +1,6 @@
 """A job state's shardings on a mesh, from the user's ``shardings_fn``: checked leaf by leaf, with errors that
 say which leaf and what to fix. The same in the client and in every worker process."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,19 +28,27 @@ def _sharding(mesh: Mesh, path: Any, leaf: Any, spec: Any) -> Sharding:
     if isinstance(spec, Sharding):
         return spec
     if not isinstance(spec, PartitionSpec):
-        raise ConfigError(f"shardings_fn gave {spec!r} ({type(spec).__name__}) for {where}: give a "
-                          "jax.sharding.PartitionSpec or a Sharding per state leaf")
+        raise ConfigError(
+            f"shardings_fn gave {spec!r} ({type(spec).__name__}) for {where}: give a "
+            "jax.sharding.PartitionSpec or a Sharding per state leaf"
+        )
     axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(a, str)]
     for axis in axes:
         if axis not in mesh.axis_names:
-            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r}, but the mesh has axes "
-                              f"{tuple(mesh.axis_names)}; name only those (or give a mesh_fn with that axis)")
+            raise ConfigError(
+                f"{where}: {spec} names mesh axis {axis!r}, but the mesh has axes "
+                f"{tuple(mesh.axis_names)}; name only those (or give a mesh_fn with that axis)"
+            )
         if axes.count(axis) > 1:
-            raise ConfigError(f"{where}: {spec} names mesh axis {axis!r} more than once; split a leaf over each "
-                              "mesh axis at most once")
+            raise ConfigError(
+                f"{where}: {spec} names mesh axis {axis!r} more than once; split a leaf over each "
+                "mesh axis at most once"
+            )
     if len(spec) > len(leaf.shape):
-        raise ConfigError(f"{where}: {spec} has {len(spec)} entries for {len(leaf.shape)} dimension(s); give at "
-                          "most one entry per dimension")
+        raise ConfigError(
+            f"{where}: {spec} has {len(spec)} entries for {len(leaf.shape)} dimension(s); give at "
+            "most one entry per dimension"
+        )
     try:
         return NamedSharding(mesh, spec)
     except ValueError as err:

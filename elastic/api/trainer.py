@@ -31,6 +31,7 @@ chunk's). That is exact for aux that is affine in per-example means (running mea
 moments, an EMA of the params); a running *variance* misses the between-chunk term, and the loss and
 gradients use per-chunk statistics.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,10 +46,10 @@ import optax
 from jax.sharding import Mesh
 
 from elastic import runtime
-from elastic.config import ElasticConfig, check_batch_splits
-from elastic.errors import ConfigError
 from elastic.api.job import ElasticJob, FaultPlan, JobResult, ShardingsFn, StepCallback
 from elastic.api.run import Run, batch_rows
+from elastic.config import ElasticConfig, check_batch_splits
+from elastic.errors import ConfigError
 
 __all__ = ["MicrobatchAux", "OptaxStep", "StepRunner", "Trainer", "TrainerLoop", "example_keys", "optax_step"]
 
@@ -104,8 +105,9 @@ class OptaxStep:
             state["aux"] = self.aux_init(params)
         return state
 
-    def objective(self, params: Any, batch: Any, aux: Any = None, key: jax.Array | None = None,
-                  start: int | jax.Array = 0) -> tuple[jax.Array, Any]:
+    def objective(
+        self, params: Any, batch: Any, aux: Any = None, key: jax.Array | None = None, start: int | jax.Array = 0
+    ) -> tuple[jax.Array, Any]:
         """``(loss, new_aux)`` of the rows ``start..`` of the step's batch (``new_aux`` None without aux);
         ``key`` is the step's key (``run.key(step)``), needed when ``rng``."""
         kwargs: dict[str, Any] = {}
@@ -130,17 +132,24 @@ class OptaxStep:
             new["aux"] = aux
         return new
 
-    def fused(self, state: dict[str, Any], batch: Any,
-              key: jax.Array | None = None) -> tuple[dict[str, Any], jax.Array]:
+    def fused(
+        self, state: dict[str, Any], batch: Any, key: jax.Array | None = None
+    ) -> tuple[dict[str, Any], jax.Array]:
         """One step on the whole batch: ``(new state, loss)``."""
         (loss, aux), grads = jax.value_and_grad(self.objective, has_aux=True)(
-            state["params"], batch, state.get("aux"), key)
+            state["params"], batch, state.get("aux"), key
+        )
         return self.apply(state, grads, aux), loss
 
 
-def optax_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
-               aux_init: Callable[[Any], Any] | None = None, rng: bool = False,
-               microbatch_aux: MicrobatchAux = "refuse") -> OptaxStep:
+def optax_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    aux_init: Callable[[Any], Any] | None = None,
+    rng: bool = False,
+    microbatch_aux: MicrobatchAux = "refuse",
+) -> OptaxStep:
     """A step from a loss and an optax optimizer. ``loss_fn`` returns the *mean* loss over the batch's examples:
 
     * ``loss_fn(params, batch) -> loss`` (the default);
@@ -161,6 +170,7 @@ def _weighted_sum(weights: tuple[float, ...], trees: list[Any]) -> Any:
 
 def _merge_aux(weights: tuple[float, ...], trees: list[Any]) -> Any:
     """Size-weighted mean of float leaves; any other leaf (a counter, a key) from the first chunk."""
+
     def merge(*xs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(xs[0].dtype, jnp.inexact):
             return xs[0]
@@ -204,8 +214,9 @@ class StepRunner:
         ``key`` its key (``run.key(step)``, or None without ``rng``). ``guard`` wraps each dispatch
         (``run.guard``). The state passed in is donated."""
         n = mesh.devices.size
-        fused, grad, apply, combine, merge = (guard(f) for f in (self._fused, self._grad, self._apply,
-                                                                   self._combine, self._merge))
+        fused, grad, apply, combine, merge = (
+            guard(f) for f in (self._fused, self._grad, self._apply, self._combine, self._merge)
+        )
         put = guard(jax.device_put)
         sharded, replicated = runtime.batch_sharding(mesh), runtime.replicated(mesh)
 
@@ -220,8 +231,13 @@ class StepRunner:
             losses, grads, auxes = [], [], []
             for chunk in plan:
                 part = jax.tree_util.tree_map(lambda x, c=chunk: x[c.start : c.stop], batch)
-                (loss, aux), g = grad(state["params"], put(part, sharded if chunk.sharded else replicated),
-                                      state.get("aux"), placed_key, chunk.start)
+                (loss, aux), g = grad(
+                    state["params"],
+                    put(part, sharded if chunk.sharded else replicated),
+                    state.get("aux"),
+                    placed_key,
+                    chunk.start,
+                )
                 losses.append(loss)
                 grads.append(g)
                 auxes.append(aux)
@@ -233,10 +249,12 @@ class StepRunner:
 
 
 def _refusal(what: str) -> str:
-    return (f"optax_step(aux_init=...) refuses micro-batches by default (their batch statistics differ from the "
-            f"whole batch's): {what}; use a batch size that splits over every device count the job may run on, "
-            "or pass optax_step(..., microbatch_aux='weighted_mean') to merge the micro-batches' aux by a "
-            "size-weighted mean (see elastic.api.trainer)")
+    return (
+        f"optax_step(aux_init=...) refuses micro-batches by default (their batch statistics differ from the "
+        f"whole batch's): {what}; use a batch size that splits over every device count the job may run on, "
+        "or pass optax_step(..., microbatch_aux='weighted_mean') to merge the micro-batches' aux by a "
+        "size-weighted mean (see elastic.api.trainer)"
+    )
 
 
 def _check_splits(rows: int, config: ElasticConfig) -> None:
@@ -244,8 +262,12 @@ def _check_splits(rows: int, config: ElasticConfig) -> None:
     counts = config.device_counts
     bad = [n for n in counts if rows % n]
     if bad:
-        raise ConfigError(_refusal(f"a batch of {rows} rows does not split over {bad} devices, and the job may run "
-                                   f"on {list(counts)} (use a multiple of {math.lcm(*counts)})"))
+        raise ConfigError(
+            _refusal(
+                f"a batch of {rows} rows does not split over {bad} devices, and the job may run "
+                f"on {list(counts)} (use a multiple of {math.lcm(*counts)})"
+            )
+        )
 
 
 class Trainer:
@@ -256,11 +278,22 @@ class Trainer:
     longer divides over the devices) or a plain ``(state, batch) -> (state, loss)``. The batch size is checked
     against every device count the job may run on when the Trainer is built.
     """
-    def __init__(self, *, init_fn: Callable[[jax.Array], Any], step_fn: OptaxStep | Callable[..., Any],
-                 batch_fn: Callable[[int], Any], config: ElasticConfig, shardings_fn: ShardingsFn | None = None,
-                 mesh_fn: runtime.MeshFn | None = None, faults: FaultPlan | None = None,
-                 on_step: StepCallback | None = None, agent_nodes: dict[int, str] | None = None,
-                 init_from: str | os.PathLike | None = None, save_final_to: str | os.PathLike | None = None) -> None:
+
+    def __init__(
+        self,
+        *,
+        init_fn: Callable[[jax.Array], Any],
+        step_fn: OptaxStep | Callable[..., Any],
+        batch_fn: Callable[[int], Any],
+        config: ElasticConfig,
+        shardings_fn: ShardingsFn | None = None,
+        mesh_fn: runtime.MeshFn | None = None,
+        faults: FaultPlan | None = None,
+        on_step: StepCallback | None = None,
+        agent_nodes: dict[int, str] | None = None,
+        init_from: str | os.PathLike | None = None,
+        save_final_to: str | os.PathLike | None = None,
+    ) -> None:
         """``init_from`` / ``save_final_to``: as :class:`ElasticJob`'s (Orbax checkpoints). A step that does not
         split a batch into micro-batches (a plain ``step_fn``, or an ``optax_step`` with ``aux_init`` that refuses
         them) has its batch size checked here against every device count the job may run on: the declared
@@ -285,9 +318,18 @@ class Trainer:
             full_init = init_fn
         else:
             raise ConfigError(f"step_fn must be elastic.optax_step(...) or a callable, got {type(step_fn).__name__}")
-        self.job = ElasticJob(config, init_fn=full_init, shardings_fn=shardings_fn, mesh_fn=mesh_fn, faults=faults,
-                              on_step=on_step, agent_nodes=agent_nodes, microbatched=isinstance(step_fn, OptaxStep),
-                              init_from=init_from, save_final_to=save_final_to)
+        self.job = ElasticJob(
+            config,
+            init_fn=full_init,
+            shardings_fn=shardings_fn,
+            mesh_fn=mesh_fn,
+            faults=faults,
+            on_step=on_step,
+            agent_nodes=agent_nodes,
+            microbatched=isinstance(step_fn, OptaxStep),
+            init_from=init_from,
+            save_final_to=save_final_to,
+        )
 
     def fit(self) -> JobResult:
         """Train to ``config.num_steps``, surviving slice loss; returns the final state and the report."""
@@ -304,8 +346,14 @@ class TrainerLoop:
     """The Trainer's loop: what ``ElasticJob.run`` runs (in each worker process, in multi-process mode: it pickles
     with the user's functions and the step runner, not the Trainer and its job)."""
 
-    def __init__(self, *, runner: StepRunner | None, plain: Callable[..., Any] | None, batch_fn: Callable[[int], Any],
-                 config: ElasticConfig) -> None:
+    def __init__(
+        self,
+        *,
+        runner: StepRunner | None,
+        plain: Callable[..., Any] | None,
+        batch_fn: Callable[[int], Any],
+        config: ElasticConfig,
+    ) -> None:
         self._runner, self._plain, self._batch_fn, self._config = runner, plain, batch_fn, config
         self._fused: Any = None
 

@@ -26,6 +26,7 @@ Scenarios added to the catalogue later (a higher ``since``) are drawn after the 
 of the round robin, so a schedule ``(seed, index)`` with ``index`` below the earlier catalogue's size draws
 the scenario it drew before the extension.
 """
+
 from __future__ import annotations
 
 import random
@@ -33,16 +34,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from elastic.chaos.faults import Faults
 from elastic.config import ElasticConfig
 from elastic.errors import ConfigError
-from elastic.chaos.faults import Faults
 
-__all__ = ["CATALOGUE", "HANG_STEP_TIMEOUT_S", "ChaosFault", "JobShape", "Scenario", "Schedule", "applicable", "schedule", "schedules"]
+__all__ = [
+    "CATALOGUE",
+    "HANG_STEP_TIMEOUT_S",
+    "ChaosFault",
+    "JobShape",
+    "Scenario",
+    "Schedule",
+    "applicable",
+    "schedule",
+    "schedules",
+]
 
-Phase = Literal["step", "mid_step", "snapshot", "after_restore", "after_reshard", "after_grow", "restore", "reshard",
-                "grow", "forming"]
-Kind = Literal["kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart",
-               "supervisor_lost"]
+Phase = Literal[
+    "step",
+    "mid_step",
+    "snapshot",
+    "after_restore",
+    "after_reshard",
+    "after_grow",
+    "restore",
+    "reshard",
+    "grow",
+    "forming",
+]
+Kind = Literal[
+    "kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart", "supervisor_lost"
+]
 Expect = Literal["finish", "give_up", "supervisor_lost"]
 DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
 PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
@@ -84,11 +106,18 @@ class JobShape:
     def of(cls, config: ElasticConfig) -> JobShape:
         tiers = config.tiers
         multi = config.processes is not None
-        return cls(num_slices=config.num_slices, min_slices=config.policy.min_slices, num_steps=config.num_steps,
-                   snapshot_every=config.snapshot_every, multi=multi,
-                   replaces=multi and config.processes is not None and config.processes.replace_lost,
-                   survives_two=tiers.copies >= 3 or tiers.keeper_every == 1 or tiers.persistent_dir is not None
-                   or (multi and tiers.keeper_every > 0))
+        return cls(
+            num_slices=config.num_slices,
+            min_slices=config.policy.min_slices,
+            num_steps=config.num_steps,
+            snapshot_every=config.snapshot_every,
+            multi=multi,
+            replaces=multi and config.processes is not None and config.processes.replace_lost,
+            survives_two=tiers.copies >= 3
+            or tiers.keeper_every == 1
+            or tiers.persistent_dir is not None
+            or (multi and tiers.keeper_every > 0),
+        )
 
     @property
     def spare(self) -> int:
@@ -120,8 +149,9 @@ class Schedule:
     multi: bool = False  # a multi-process job's: its workers carry out kills placed in a step or a re-formation
 
     def _planned(self, f: ChaosFault) -> bool:
-        return (f.phase == "step" and f.kind in PLAN_KINDS) or (self.multi and f.kind == "kill"
-                                                                 and f.phase in WORKER_PHASES)
+        return (f.phase == "step" and f.kind in PLAN_KINDS) or (
+            self.multi and f.kind == "kill" and f.phase in WORKER_PHASES
+        )
 
     def plan(self) -> Faults:
         """The faults ``elastic.Faults`` carries out itself (phase ``step``, its kinds; in multi-process mode also
@@ -137,8 +167,10 @@ class Schedule:
                 elif f.kind == "hang":
                     faults.hang_step(at_step=f.at_step, slice=f.slice)
                 else:
-                    {"kill": faults.kill_slice, "revive": faults.revive_slice,
-                     "silence": faults.silence_agent}[f.kind](f.slice, at_step=f.at_step)  # type: ignore[arg-type]  # kill/revive/silence name a slice
+                    {"kill": faults.kill_slice, "revive": faults.revive_slice, "silence": faults.silence_agent}[f.kind](
+                        f.slice,  # type: ignore[arg-type]  # kill/revive/silence name a slice
+                        at_step=f.at_step,
+                    )
         return faults
 
     @property
@@ -151,8 +183,13 @@ class Schedule:
         return tuple(f for f in self.faults if not self._planned(f))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "index": self.index, "scenario": self.scenario, "expect": self.expect,
-                "faults": [f.to_dict() for f in self.faults]}
+        return {
+            "seed": self.seed,
+            "index": self.index,
+            "scenario": self.scenario,
+            "expect": self.expect,
+            "faults": [f.to_dict() for f in self.faults],
+        }
 
 
 # -- scenario builders: each returns its faults and what the job should do ------------------------------
@@ -175,8 +212,10 @@ def _kill(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect
 
 def _kill_revive(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
     s, step = rng.randrange(shape.num_slices), _early(rng, shape)
-    return [ChaosFault(kind="kill", slice=s, at_step=step),
-            ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step))], "finish"
+    return [
+        ChaosFault(kind="kill", slice=s, at_step=step),
+        ChaosFault(kind="revive", slice=s, at_step=_later(rng, shape, step)),
+    ], "finish"
 
 
 def _two_at_once(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
@@ -227,8 +266,11 @@ def _hang(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect
 
 
 def _straggler(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
-    return [ChaosFault(kind="straggler", at_step=_early(rng, shape), phase="mid_step",
-                       seconds=round(rng.uniform(0.2, 1.0), 2))], "finish"
+    return [
+        ChaosFault(
+            kind="straggler", at_step=_early(rng, shape), phase="mid_step", seconds=round(rng.uniform(0.2, 1.0), 2)
+        )
+    ], "finish"
 
 
 def _corrupt(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
@@ -239,10 +281,14 @@ def _after(phase: Phase) -> Build:
     def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
         first, second = rng.sample(range(shape.num_slices), 2)
         step = _early(rng, shape)
-        lead = {"after_restore": [ChaosFault(kind="kill", slice=first, at_step=step)],
-                "after_reshard": [ChaosFault(kind="silence", slice=first, at_step=step)],
-                "after_grow": [ChaosFault(kind="kill", slice=first, at_step=step),
-                               ChaosFault(kind="revive", slice=first, at_step=_later(rng, shape, step))]}[phase]
+        lead = {
+            "after_restore": [ChaosFault(kind="kill", slice=first, at_step=step)],
+            "after_reshard": [ChaosFault(kind="silence", slice=first, at_step=step)],
+            "after_grow": [
+                ChaosFault(kind="kill", slice=first, at_step=step),
+                ChaosFault(kind="revive", slice=first, at_step=_later(rng, shape, step)),
+            ],
+        }[phase]
         return lead + [ChaosFault(kind="kill", slice=second, at_step=step, phase=phase)], "finish"
 
     return build
@@ -263,23 +309,27 @@ def _supervisor_restart(rng: random.Random, shape: JobShape) -> tuple[list[Chaos
     """The supervisor is killed and restarted by Ray; a slice dies a few steps later: the restarted supervisor
     must still see it."""
     step = _early(rng, shape)
-    return [ChaosFault(kind="supervisor_restart", at_step=step),
-            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_later(rng, shape, step, gap=2))
-            ], "finish"
+    return [
+        ChaosFault(kind="supervisor_restart", at_step=step),
+        ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_later(rng, shape, step, gap=2)),
+    ], "finish"
 
 
 def _supervisor_lost(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
     """The supervisor dies for good, then a slice: no recovery can be decided, so the job must end with
     ``SupervisorLostError`` within its bound (not wait out ``recovery_timeout_s``, not train on unsupervised)."""
     step = _early(rng, shape)
-    return [ChaosFault(kind="supervisor_lost", at_step=step),
-            ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step + 1)], "supervisor_lost"
+    return [
+        ChaosFault(kind="supervisor_lost", at_step=step),
+        ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=step + 1),
+    ], "supervisor_lost"
 
 
 def _kill_in_collective(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
     """Multi-process: a worker SIGKILLed a moment into a step, its collectives in flight."""
-    return [ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_early(rng, shape),
-                       phase="mid_step")], "finish"
+    return [
+        ChaosFault(kind="kill", slice=rng.randrange(shape.num_slices), at_step=_early(rng, shape), phase="mid_step")
+    ], "finish"
 
 
 def _kill_in_reformation(phase: Phase) -> Build:
@@ -289,8 +339,10 @@ def _kill_in_reformation(phase: Phase) -> Build:
     def build(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
         first, second = rng.sample(range(shape.num_slices), 2)
         step = _early(rng, shape)
-        return [ChaosFault(kind="kill", slice=first, at_step=step),
-                ChaosFault(kind="kill", slice=second, at_step=step, phase=phase)], "finish"
+        return [
+            ChaosFault(kind="kill", slice=first, at_step=step),
+            ChaosFault(kind="kill", slice=second, at_step=step, phase=phase),
+        ], "finish"
 
     return build
 
@@ -299,8 +351,10 @@ def _kill_with_buddy(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFau
     """Multi-process: a worker and the one holding its buddy copy (the next member) die in the same step, before
     any re-formation: only the keepers hold the lost shards."""
     s, step = rng.randrange(shape.num_slices), _early(rng, shape)
-    return [ChaosFault(kind="kill", slice=s, at_step=step),
-            ChaosFault(kind="kill", slice=(s + 1) % shape.num_slices, at_step=step)], "finish"
+    return [
+        ChaosFault(kind="kill", slice=s, at_step=step),
+        ChaosFault(kind="kill", slice=(s + 1) % shape.num_slices, at_step=step),
+    ], "finish"
 
 
 def _multi_two_down(shape: JobShape) -> bool:
@@ -312,56 +366,172 @@ def _two_down(shape: JobShape) -> bool:
 
 
 CATALOGUE: tuple[Scenario, ...] = (
-    Scenario(name="kill", summary="one slice dies (agent killed, devices fail)",
-             phases=("step", "mid_step", "snapshot"), build=_kill, multi=True),
-    Scenario(name="kill_revive", summary="one slice dies and comes back: shrink, then grow", phases=("step",),
-             build=_kill_revive, multi=True),
-    Scenario(name="two_at_once", summary="two slices die in the same step", phases=("step",), build=_two_at_once,
-             applies=_two_down, multi=True),
-    Scenario(name="every_slice", summary="every slice dies: the job must give up within its bound (multi-process "
-             "mode with replace_lost: finish on the replacements, from the keepers)",
-             phases=("step",), build=_every_slice, applies=lambda shape: True, multi=True),
-    Scenario(name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping, multi=True),
-    Scenario(name="silence", summary="an agent stops heartbeating (hung host); the step waits until the supervisor "
-             "drops it", phases=("step",), build=_silence, multi=True),
-    Scenario(name="transient", summary="a slice-loss error with every slice healthy", phases=("step", "mid_step"),
-             build=_transient, applies=lambda shape: True, multi=True),
-    Scenario(name="straggler", summary="one step is slow", phases=("mid_step",), build=_straggler,
-             applies=lambda shape: True),
-    Scenario(name="corrupt", summary="a byte of one copy of the newest snapshot flips, then a restore reads it",
-             phases=("step",), build=_corrupt, applies=lambda shape: True),
-    Scenario(name="kill_after_restore", summary="a second slice dies as the first pass after a restore starts",
-             phases=("after_restore",), build=_after("after_restore"), applies=_two_down),
-    Scenario(name="kill_after_reshard", summary="a slice dies as the first pass after a shrink of the live state "
-             "starts", phases=("after_reshard",), build=_after("after_reshard"), applies=_two_down),
-    Scenario(name="kill_after_grow", summary="a slice dies as the first pass after a grow starts",
-             phases=("after_grow",), build=_after("after_grow")),
-    Scenario(name="hang", summary="a step never completes (a hung collective) until the step watchdog aborts it; "
-             "every slice healthy, or one wedged", phases=("step",), build=_hang, applies=lambda shape: True,
-             since=2, multi=True),
-    Scenario(name="kill_during_restore", summary="a second slice dies while a restore's transfers are in flight",
-             phases=("restore",), build=_during("restore"), applies=_two_down, since=3),
-    Scenario(name="kill_during_reshard", summary="a slice dies while the live state moves onto fewer slices",
-             phases=("reshard",), build=_during("reshard"), applies=_two_down, since=3),
-    Scenario(name="kill_during_grow", summary="a slice dies while the live state moves back onto more slices",
-             phases=("grow",), build=_during("grow"), since=3),
-    Scenario(name="supervisor_restart", summary="the supervisor is killed and restarted; then a slice dies",
-             phases=("step",), build=_supervisor_restart, since=3),
-    Scenario(name="supervisor_lost", summary="the supervisor dies for good, then a slice: the job must end with "
-             "SupervisorLostError within its bound", phases=("step",), build=_supervisor_lost,
-             applies=lambda shape: True, since=3),
+    Scenario(
+        name="kill",
+        summary="one slice dies (agent killed, devices fail)",
+        phases=("step", "mid_step", "snapshot"),
+        build=_kill,
+        multi=True,
+    ),
+    Scenario(
+        name="kill_revive",
+        summary="one slice dies and comes back: shrink, then grow",
+        phases=("step",),
+        build=_kill_revive,
+        multi=True,
+    ),
+    Scenario(
+        name="two_at_once",
+        summary="two slices die in the same step",
+        phases=("step",),
+        build=_two_at_once,
+        applies=_two_down,
+        multi=True,
+    ),
+    Scenario(
+        name="every_slice",
+        summary="every slice dies: the job must give up within its bound (multi-process "
+        "mode with replace_lost: finish on the replacements, from the keepers)",
+        phases=("step",),
+        build=_every_slice,
+        applies=lambda shape: True,
+        multi=True,
+    ),
+    Scenario(
+        name="flapping", summary="one slice dies, returns, dies, returns", phases=("step",), build=_flapping, multi=True
+    ),
+    Scenario(
+        name="silence",
+        summary="an agent stops heartbeating (hung host); the step waits until the supervisor drops it",
+        phases=("step",),
+        build=_silence,
+        multi=True,
+    ),
+    Scenario(
+        name="transient",
+        summary="a slice-loss error with every slice healthy",
+        phases=("step", "mid_step"),
+        build=_transient,
+        applies=lambda shape: True,
+        multi=True,
+    ),
+    Scenario(
+        name="straggler", summary="one step is slow", phases=("mid_step",), build=_straggler, applies=lambda shape: True
+    ),
+    Scenario(
+        name="corrupt",
+        summary="a byte of one copy of the newest snapshot flips, then a restore reads it",
+        phases=("step",),
+        build=_corrupt,
+        applies=lambda shape: True,
+    ),
+    Scenario(
+        name="kill_after_restore",
+        summary="a second slice dies as the first pass after a restore starts",
+        phases=("after_restore",),
+        build=_after("after_restore"),
+        applies=_two_down,
+    ),
+    Scenario(
+        name="kill_after_reshard",
+        summary="a slice dies as the first pass after a shrink of the live state starts",
+        phases=("after_reshard",),
+        build=_after("after_reshard"),
+        applies=_two_down,
+    ),
+    Scenario(
+        name="kill_after_grow",
+        summary="a slice dies as the first pass after a grow starts",
+        phases=("after_grow",),
+        build=_after("after_grow"),
+    ),
+    Scenario(
+        name="hang",
+        summary="a step never completes (a hung collective) until the step watchdog aborts it; "
+        "every slice healthy, or one wedged",
+        phases=("step",),
+        build=_hang,
+        applies=lambda shape: True,
+        since=2,
+        multi=True,
+    ),
+    Scenario(
+        name="kill_during_restore",
+        summary="a second slice dies while a restore's transfers are in flight",
+        phases=("restore",),
+        build=_during("restore"),
+        applies=_two_down,
+        since=3,
+    ),
+    Scenario(
+        name="kill_during_reshard",
+        summary="a slice dies while the live state moves onto fewer slices",
+        phases=("reshard",),
+        build=_during("reshard"),
+        applies=_two_down,
+        since=3,
+    ),
+    Scenario(
+        name="kill_during_grow",
+        summary="a slice dies while the live state moves back onto more slices",
+        phases=("grow",),
+        build=_during("grow"),
+        since=3,
+    ),
+    Scenario(
+        name="supervisor_restart",
+        summary="the supervisor is killed and restarted; then a slice dies",
+        phases=("step",),
+        build=_supervisor_restart,
+        since=3,
+    ),
+    Scenario(
+        name="supervisor_lost",
+        summary="the supervisor dies for good, then a slice: the job must end with "
+        "SupervisorLostError within its bound",
+        phases=("step",),
+        build=_supervisor_lost,
+        applies=lambda shape: True,
+        since=3,
+    ),
 )
 MULTI_ONLY: tuple[Scenario, ...] = (
-    Scenario(name="kill_in_collective", summary="a worker process is SIGKILLed inside a step, its collectives in "
-             "flight", phases=("mid_step",), build=_kill_in_collective, applies=lambda shape: shape.multi
-             and shape.spare >= 1, since=4, multi=True),
-    Scenario(name="kill_while_forming", summary="a worker dies, then a second while the group re-forms",
-             phases=("forming",), build=_kill_in_reformation("forming"), applies=_multi_two_down, since=4, multi=True),
-    Scenario(name="kill_while_restoring", summary="a worker dies, then a second while the re-formed group restores",
-             phases=("restore",), build=_kill_in_reformation("restore"), applies=_multi_two_down, since=4,
-             multi=True),
-    Scenario(name="kill_with_buddy", summary="a worker and the holder of its buddy copy die in the same step",
-             phases=("step",), build=_kill_with_buddy, applies=_multi_two_down, since=4, multi=True),
+    Scenario(
+        name="kill_in_collective",
+        summary="a worker process is SIGKILLed inside a step, its collectives in flight",
+        phases=("mid_step",),
+        build=_kill_in_collective,
+        applies=lambda shape: shape.multi and shape.spare >= 1,
+        since=4,
+        multi=True,
+    ),
+    Scenario(
+        name="kill_while_forming",
+        summary="a worker dies, then a second while the group re-forms",
+        phases=("forming",),
+        build=_kill_in_reformation("forming"),
+        applies=_multi_two_down,
+        since=4,
+        multi=True,
+    ),
+    Scenario(
+        name="kill_while_restoring",
+        summary="a worker dies, then a second while the re-formed group restores",
+        phases=("restore",),
+        build=_kill_in_reformation("restore"),
+        applies=_multi_two_down,
+        since=4,
+        multi=True,
+    ),
+    Scenario(
+        name="kill_with_buddy",
+        summary="a worker and the holder of its buddy copy die in the same step",
+        phases=("step",),
+        build=_kill_with_buddy,
+        applies=_multi_two_down,
+        since=4,
+        multi=True,
+    ),
 )
 CATALOGUE = CATALOGUE + MULTI_ONLY
 BY_NAME = {s.name: s for s in CATALOGUE}
@@ -374,11 +544,14 @@ def applicable(shape: JobShape, names: Sequence[str] | None = None) -> list[Scen
         raise ConfigError(f"unknown chaos scenario(s) {unknown}; choose from {sorted(BY_NAME)}")
     if shape.num_steps < 8:
         raise ConfigError(f"chaos needs num_steps >= 8 to place its faults, got {shape.num_steps}")
-    chosen = [s for s in CATALOGUE if (names is None or s.name in names) and s.applies(shape)
-              and (s.multi or not shape.multi)]
+    chosen = [
+        s for s in CATALOGUE if (names is None or s.name in names) and s.applies(shape) and (s.multi or not shape.multi)
+    ]
     if not chosen:
-        raise ConfigError(f"no chaos scenario of {sorted(names or BY_NAME)} fits a job of {shape.num_slices} "
-                          f"slice(s) with min_slices={shape.min_slices}")
+        raise ConfigError(
+            f"no chaos scenario of {sorted(names or BY_NAME)} fits a job of {shape.num_slices} "
+            f"slice(s) with min_slices={shape.min_slices}"
+        )
     return chosen
 
 
@@ -392,8 +565,14 @@ def schedule(seed: int, index: int, shape: JobShape, scenarios: Sequence[str] | 
         order += group
     scenario = order[index % len(order)]
     faults, expect = scenario.build(random.Random(f"elastic-chaos:{seed}:{index}"), shape)
-    return Schedule(seed=seed, index=index, scenario=scenario.name, expect=expect, multi=shape.multi,
-                    faults=tuple(sorted(faults, key=lambda f: f.at_step)))
+    return Schedule(
+        seed=seed,
+        index=index,
+        scenario=scenario.name,
+        expect=expect,
+        multi=shape.multi,
+        faults=tuple(sorted(faults, key=lambda f: f.at_step)),
+    )
 
 
 def schedules(seed: int, count: int, shape: JobShape, scenarios: Sequence[str] | None = None) -> list[Schedule]:

@@ -4,10 +4,11 @@ Each fault fires once, when the loop reaches its step (a step recomputed after a
 fire it again). A killed slice's agent actor dies for real and its simulated devices fail, so
 detection and recovery run exactly as for a real failure.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from elastic.errors import ConfigError
@@ -110,9 +111,11 @@ class Faults:
 
         placed = [f for f in self.faults if f.during != "step"]
         if placed and job.config.processes is None:
-            raise ConfigError(f"kill_slice(during={placed[0].during!r}) needs multi-process mode (worker processes); "
-                              "in single-process mode the chaos runner's phases place a kill inside a step or a "
-                              "restore")
+            raise ConfigError(
+                f"kill_slice(during={placed[0].during!r}) needs multi-process mode (worker processes); "
+                "in single-process mode the chaos runner's phases place a kill inside a step or a "
+                "restore"
+            )
         return (FaultInjector if job.config.processes is None else DriverFaults).for_job(self, job)
 
     def worker_hooks(self) -> list[Callable[[Any], None]]:

@@ -4,6 +4,7 @@ The controller knows nothing of faults: an injector is one of its before-step ho
 agent actor dies for real and its simulated devices fail, so detection and recovery run exactly as for
 a real failure; ``kill_client`` is a real SIGKILL of this process.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from elastic import runtime
+from elastic.chaos.faults import Fault, Faults
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
-from elastic.chaos.faults import Fault, Faults
 from elastic.control.watcher import ViewWatcher
 from elastic.errors import RecoveryTimeoutError
 from elastic.log import get_logger
@@ -39,9 +40,18 @@ class FaultInjector:
     ``revive`` returns once the slice is back in the membership view (at most ``hold_s``), so the job grows onto
     it at the next step boundary however long its new agent took to start."""
 
-    def __init__(self, faults: Faults, *, topology: runtime.Topology, simulated: bool,
-                 group: Callable[[], ActorGroup], accounting: Accounting, job: str,
-                 watcher: Callable[[], ViewWatcher | None] = lambda: None, hold_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        faults: Faults,
+        *,
+        topology: runtime.Topology,
+        simulated: bool,
+        group: Callable[[], ActorGroup],
+        accounting: Accounting,
+        job: str,
+        watcher: Callable[[], ViewWatcher | None] = lambda: None,
+        hold_s: float = 60.0,
+    ) -> None:
         self._faults = faults
         self._topology = topology
         self._simulated = simulated
@@ -54,9 +64,15 @@ class FaultInjector:
 
     @classmethod
     def for_job(cls, faults: Faults, job: ElasticJob) -> FaultInjector:
-        return cls(faults, topology=job.topology, simulated=job.config.simulated, group=lambda: job.group,
-                   accounting=job._acct, job=job.config.job_name,  # noqa: SLF001 - the job's own accounting
-                   watcher=lambda: job._watcher)  # noqa: SLF001 - the job's own view
+        return cls(
+            faults,
+            topology=job.topology,
+            simulated=job.config.simulated,
+            group=lambda: job.group,
+            accounting=job._acct,
+            job=job.config.job_name,  # noqa: SLF001 - the job's own accounting
+            watcher=lambda: job._watcher,
+        )  # noqa: SLF001 - the job's own view
 
     def __call__(self, step: int) -> None:
         for fault in self._faults.faults:
@@ -152,8 +168,9 @@ class WorkerFaults:
             self._fired.add(fault)
             if fault.slice is not None and not self._first(fault):
                 continue
-            get_logger("elastic.faults").warning("fault_injected", kind=fault.kind, step=step, slice=slice_index,
-                                                 during=fault.during)
+            get_logger("elastic.faults").warning(
+                "fault_injected", kind=fault.kind, step=step, slice=slice_index, during=fault.during
+            )
             if fault.kind == "kill" and fault.during == "collective":  # the step's work dispatched and running
                 threading.Timer(COLLECTIVE_DELAY_S, os.kill, (os.getpid(), signal.SIGKILL)).start()
             elif fault.kind == "kill":
@@ -170,13 +187,19 @@ class WorkerFaults:
         formed, the state not placed yet): kill this worker if a fault of its slice is due there. Only a process
         that trained up to the fault's step itself fires it (a replacement process does not kill itself again)."""
         for fault in self.faults:
-            if (fault.kind == "kill" and fault.during == name and fault.slice == context.slice
-                    and fault not in self._fired and context.step >= fault.at_step):
+            if (
+                fault.kind == "kill"
+                and fault.during == name
+                and fault.slice == context.slice
+                and fault not in self._fired
+                and context.step >= fault.at_step
+            ):
                 self._fired.add(fault)
                 if not self._first(fault):
                     continue
-                get_logger("elastic.faults").warning("fault_injected", kind="kill", during=name, slice=context.slice,
-                                                     step=context.step)
+                get_logger("elastic.faults").warning(
+                    "fault_injected", kind="kill", during=name, slice=context.slice, step=context.step
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _hold(self, context: Any, fault: Fault) -> None:
@@ -196,8 +219,15 @@ class DriverFaults:
     new process for its slice unless the slice is back already (``Processes.replace_lost`` may have started one);
     ``kill_client`` SIGKILLs this process. The workers' faults are counted and marked on the timeline here."""
 
-    def __init__(self, faults: Faults, *, group: Callable[[], ActorGroup], accounting: Accounting,
-                 view: Callable[[], Any], job: str) -> None:
+    def __init__(
+        self,
+        faults: Faults,
+        *,
+        group: Callable[[], ActorGroup],
+        accounting: Accounting,
+        view: Callable[[], Any],
+        job: str,
+    ) -> None:
         self._faults = faults
         self._group = group
         self._acct = accounting
@@ -207,8 +237,13 @@ class DriverFaults:
 
     @classmethod
     def for_job(cls, faults: Faults, job: ElasticJob) -> DriverFaults:
-        return cls(faults, group=lambda: job.group, accounting=job._acct,  # noqa: SLF001 - the job's own accounting
-                   view=lambda: job.group.supervisor, job=job.config.job_name)
+        return cls(
+            faults,
+            group=lambda: job.group,
+            accounting=job._acct,  # noqa: SLF001 - the job's own accounting
+            view=lambda: job.group.supervisor,
+            job=job.config.job_name,
+        )
 
     def __call__(self, step: int) -> None:
         for fault in self._faults.faults:

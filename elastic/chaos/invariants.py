@@ -5,6 +5,7 @@ commit in the order it happened (recomputed ones included), the report's restore
 final state (leaves by path, on the host), the newest snapshot at its end. ``check`` states each promise
 as pass, fail or n/a, with the evidence. Pure: numpy only, so a test can feed it any record.
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,12 @@ class Verdict:
 
 
 def _result(promise: str, problems: list[str], ok_detail: str, evidence: dict[str, Any]) -> PromiseResult:
-    return PromiseResult(promise=promise, status="fail" if problems else "pass",
-                         detail="; ".join(problems) if problems else ok_detail, evidence=evidence)
+    return PromiseResult(
+        promise=promise,
+        status="fail" if problems else "pass",
+        detail="; ".join(problems) if problems else ok_detail,
+        evidence=evidence,
+    )
 
 
 def equivalence(run: RunRecord, reference: RunRecord | None, *, atol: float = ATOL) -> PromiseResult:
@@ -88,8 +93,13 @@ def equivalence(run: RunRecord, reference: RunRecord | None, *, atol: float = AT
     failure-free reference's, bit for bit when the device count never changed, else within ``atol``."""
     if run.outcome == "finished" and run.state is not None and run.replay_state is not None:
         replayed = RunRecord(num_steps=run.num_steps, snapshot_every=run.snapshot_every, state=run.replay_state)
-        return _compare(run, replayed, exact=True, atol=atol,
-                        mode=f"bit for bit against a replay of the run's device schedule ({run.replay_note})")
+        return _compare(
+            run,
+            replayed,
+            exact=True,
+            atol=atol,
+            mode=f"bit for bit against a replay of the run's device schedule ({run.replay_note})",
+        )
     if run.outcome != "finished" or reference is None or run.state is None or reference.state is None:
         return PromiseResult(promise="equivalence", status="n/a", detail="no finished run and reference to compare")
     exact = run.min_slices_seen == run.slices_initial
@@ -119,12 +129,21 @@ def _compare(run: RunRecord, reference: RunRecord, *, exact: bool, atol: float, 
         if not same:
             differing.append(path)
     if differing:
-        problems.append(f"final state differs from the reference at {differing[:5]}: max abs diff {worst:.3g} "
-                        f"(wanted: {mode})")
-    return _result("equivalence", problems, f"final state matches the reference {mode}",
-                   {"mode": ("replay" if "replay of" in mode else "bitwise") if exact else "atol",
-                    "atol": None if exact else atol, "max_abs_diff": worst,
-                    "leaves": len(run.state), "leaves_differing": differing[:10]})
+        problems.append(
+            f"final state differs from the reference at {differing[:5]}: max abs diff {worst:.3g} (wanted: {mode})"
+        )
+    return _result(
+        "equivalence",
+        problems,
+        f"final state matches the reference {mode}",
+        {
+            "mode": ("replay" if "replay of" in mode else "bitwise") if exact else "atol",
+            "atol": None if exact else atol,
+            "max_abs_diff": worst,
+            "leaves": len(run.state),
+            "leaves_differing": differing[:10],
+        },
+    )
 
 
 def exactly_once(run: RunRecord, reference: RunRecord | None = None) -> PromiseResult:
@@ -144,12 +163,23 @@ def exactly_once(run: RunRecord, reference: RunRecord | None = None) -> PromiseR
         problems.append(f"steps out of order: {steps[:20]}")
     if batches != expected[: len(batches)] or len(batches) != len(steps):
         wrong = [i for i, (a, b) in enumerate(zip(batches, expected, strict=False)) if a != b]
-        problems.append(f"batches consumed differ from the failure-free run's at positions {wrong[:10]} "
-                        f"({len(batches)} batches for {len(steps)} steps)")
+        problems.append(
+            f"batches consumed differ from the failure-free run's at positions {wrong[:10]} "
+            f"({len(batches)} batches for {len(steps)} steps)"
+        )
     span = "0..N-1" if run.outcome == "finished" else f"a prefix 0..{n - 1} (run {run.outcome})"
-    return _result("exactly_once", problems, f"steps and batches are {span}, no gap, no repeat",
-                   {"committed": len(steps), "num_steps": run.num_steps, "repeats": repeats[:10], "gaps": gaps[:10],
-                    "executed": len(run.executed)})
+    return _result(
+        "exactly_once",
+        problems,
+        f"steps and batches are {span}, no gap, no repeat",
+        {
+            "committed": len(steps),
+            "num_steps": run.num_steps,
+            "repeats": repeats[:10],
+            "gaps": gaps[:10],
+            "executed": len(run.executed),
+        },
+    )
 
 
 def _bound(run: RunRecord, tier: str) -> int:
@@ -171,16 +201,22 @@ def bounded_loss(run: RunRecord) -> PromiseResult:
             lost = prev + 1 - step
             rollbacks.append({"from": prev + 1, "to": step, "lost": lost, "tier": tiers[-1], "bound": bound})
             if lost > bound:
-                problems.append(f"a rollback from step {prev + 1} to {step} redid {lost} steps, more than {bound} "
-                                f"(tier {tiers[-1]}, snapshot_every={run.snapshot_every})")
+                problems.append(
+                    f"a rollback from step {prev + 1} to {step} redid {lost} steps, more than {bound} "
+                    f"(tier {tiers[-1]}, snapshot_every={run.snapshot_every})"
+                )
     total = sum(r["lost"] for r in rollbacks)
     if total != run.recomputed:
-        problems.append(f"commits redone ({total}) differ from the steps the ledger counts as recomputed "
-                        f"({run.recomputed})")
-    return _result("bounded_loss", problems,
-                   f"{len(rollbacks)} rollback(s), at most {max((r['lost'] for r in rollbacks), default=0)} step(s) "
-                   "redone each, within the snapshot interval",
-                   {"rollbacks": rollbacks, "recomputed": run.recomputed, "restores": len(run.restores)})
+        problems.append(
+            f"commits redone ({total}) differ from the steps the ledger counts as recomputed ({run.recomputed})"
+        )
+    return _result(
+        "bounded_loss",
+        problems,
+        f"{len(rollbacks)} rollback(s), at most {max((r['lost'] for r in rollbacks), default=0)} step(s) "
+        "redone each, within the snapshot interval",
+        {"rollbacks": rollbacks, "recomputed": run.recomputed, "restores": len(run.restores)},
+    )
 
 
 def no_hang(run: RunRecord) -> PromiseResult:
@@ -190,9 +226,12 @@ def no_hang(run: RunRecord) -> PromiseResult:
         problems.append(f"the run did not end within {run.bound_s:.0f} s")
     elif run.seconds > run.bound_s:
         problems.append(f"the run took {run.seconds:.1f} s, past its bound of {run.bound_s:.0f} s")
-    return _result("no_hang", problems, f"ended ({run.outcome}) in {run.seconds:.1f} s of at most {run.bound_s:.0f} s",
-                   {"seconds": round(run.seconds, 3), "bound_s": run.bound_s, "outcome": run.outcome,
-                    "error": run.error})
+    return _result(
+        "no_hang",
+        problems,
+        f"ended ({run.outcome}) in {run.seconds:.1f} s of at most {run.bound_s:.0f} s",
+        {"seconds": round(run.seconds, 3), "bound_s": run.bound_s, "outcome": run.outcome, "error": run.error},
+    )
 
 
 _EXPECTED = {"finish": "finish", "give_up": "give up", "supervisor_lost": "end with SupervisorLostError"}
@@ -202,13 +241,27 @@ def outcome(run: RunRecord) -> PromiseResult:
     """Promises 4 and 5: every fault ends in recovery, or in a clear error where the faults leave no way on:
     ``GiveUpError`` (fewer than ``min_slices`` slices), ``SupervisorLostError`` (the supervisor gone for good)."""
     wanted = {"finish": "finished", "give_up": "gave_up", "supervisor_lost": "supervisor_lost"}[run.expect]
-    said = {"finished": "finished", "gave_up": "gave up", "supervisor_lost": "ended with SupervisorLostError",
-            "error": "ended in an error", "crashed": "crashed"}
-    problems = [] if run.outcome in (wanted, "hang") else [
-        f"expected the run to {_EXPECTED[run.expect]}, it {said[run.outcome]}"
-        + (f": {run.error}" if run.error else "")]
-    return _result("outcome", problems, f"{run.outcome}, as expected", {"expect": run.expect, "outcome": run.outcome,
-                                                                         "error": run.error})
+    said = {
+        "finished": "finished",
+        "gave_up": "gave up",
+        "supervisor_lost": "ended with SupervisorLostError",
+        "error": "ended in an error",
+        "crashed": "crashed",
+    }
+    problems = (
+        []
+        if run.outcome in (wanted, "hang")
+        else [
+            f"expected the run to {_EXPECTED[run.expect]}, it {said[run.outcome]}"
+            + (f": {run.error}" if run.error else "")
+        ]
+    )
+    return _result(
+        "outcome",
+        problems,
+        f"{run.outcome}, as expected",
+        {"expect": run.expect, "outcome": run.outcome, "error": run.error},
+    )
 
 
 def nothing_lost(run: RunRecord) -> PromiseResult:
@@ -226,16 +279,34 @@ def nothing_lost(run: RunRecord) -> PromiseResult:
     elif run.outcome == "finished" and latest != run.num_steps:
         problems.append(f"the newest snapshot holds step {latest}, not the last step {run.num_steps}")
     elif latest < max(restored, 0 if run.outcome == "finished" else floor):
-        problems.append(f"the newest snapshot holds step {latest}, older than the restore point {restored} or the "
-                        f"snapshot boundary {floor}")
+        problems.append(
+            f"the newest snapshot holds step {latest}, older than the restore point {restored} or the "
+            f"snapshot boundary {floor}"
+        )
     if run.snapshots_dropped:
         problems.append(f"{run.snapshots_dropped} snapshot(s) dropped without being counted")
-    return _result("nothing_lost", problems, f"the newest snapshot holds step {latest}; none dropped uncounted",
-                   {"latest_snapshot_step": latest, "restore_points_max": restored, "floor": floor,
-                    "snapshots_dropped": run.snapshots_dropped})
+    return _result(
+        "nothing_lost",
+        problems,
+        f"the newest snapshot holds step {latest}; none dropped uncounted",
+        {
+            "latest_snapshot_step": latest,
+            "restore_points_max": restored,
+            "floor": floor,
+            "snapshots_dropped": run.snapshots_dropped,
+        },
+    )
 
 
 def check(run: RunRecord, reference: RunRecord | None = None, *, atol: float = ATOL) -> Verdict:
     """Every promise of DESIGN.md on ``run``; ``reference``: the failure-free run of the same target and seed."""
-    return Verdict(promises=(equivalence(run, reference, atol=atol), exactly_once(run, reference), bounded_loss(run),
-                             no_hang(run), outcome(run), nothing_lost(run)))
+    return Verdict(
+        promises=(
+            equivalence(run, reference, atol=atol),
+            exactly_once(run, reference),
+            bounded_loss(run),
+            no_hang(run),
+            outcome(run),
+            nothing_lost(run),
+        )
+    )

@@ -11,6 +11,7 @@ devices set before jax starts (``XLA_FLAGS=--xla_force_host_platform_device_coun
 the fixture raises them itself when jax has not started yet. Importing this module imports neither jax
 nor Ray: pytest loads it in every session of the environment.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -42,8 +43,16 @@ def elastic_chaos() -> Callable[..., ChaosResult]:
     runs a failure-free reference and ``schedules`` seeded fault schedules on the target and returns the
     :class:`~elastic.chaos.report.ChaosResult` (``.ok``, ``.violations``, ``.to_dict()``)."""
 
-    def run(target: Target = None, *, seed: int = 0, schedules: int = 3, steps: int | None = None,
-            scenarios: Sequence[str] | None = None, timeout_s: float = 120.0, index: int | None = None) -> ChaosResult:
+    def run(
+        target: Target = None,
+        *,
+        seed: int = 0,
+        schedules: int = 3,
+        steps: int | None = None,
+        scenarios: Sequence[str] | None = None,
+        timeout_s: float = 120.0,
+        index: int | None = None,
+    ) -> ChaosResult:
         from elastic.chaos.runner import ChaosRunner  # jax and Ray load only when a test asks for chaos
 
         runner = ChaosRunner(target, seed=seed, steps=steps, timeout_s=timeout_s, scenarios=scenarios)

@@ -13,6 +13,7 @@ supervisor, snapshot, restore, fault or retry. The run must match it bit for bit
 :func:`trail_schedule` folds the commits a run made (recomputed ones included) into that schedule;
 :func:`replay` runs it. Single-process mode: the replay needs the run's devices in this process.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,8 +57,10 @@ class _ReplayHost:
         want = self._schedule.get(next_step, run.slices)
         if want == run.slices:
             return None
-        return Regroup(View(epoch=run.epoch + 1, active=frozenset(want)),
-                       LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)))
+        return Regroup(
+            View(epoch=run.epoch + 1, active=frozenset(want)),
+            LiveState(state=run.state, next_step=next_step, extras=copy.deepcopy(run.extras)),
+        )
 
     def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh) -> None:
         pass
@@ -66,9 +69,16 @@ class _ReplayHost:
         return True  # every step confirmed at its commit: the state at a boundary is the last step's
 
 
-def replay(*, config: ElasticConfig, topology: runtime.Topology, schedule: dict[int, tuple[int, ...]],
-           loop: Callable[[Run], Any], init_fn: Callable[[jax.Array], Any], shardings: Callable[[Mesh], Any],
-           mesh_fn: runtime.MeshFn | None = None) -> Any:
+def replay(
+    *,
+    config: ElasticConfig,
+    topology: runtime.Topology,
+    schedule: dict[int, tuple[int, ...]],
+    loop: Callable[[Run], Any],
+    init_fn: Callable[[jax.Array], Any],
+    shardings: Callable[[Mesh], Any],
+    mesh_fn: runtime.MeshFn | None = None,
+) -> Any:
     """The final state of ``loop`` run over ``schedule`` (every step 0..N-1 named) from ``init_fn``'s state."""
     missing = [s for s in range(config.num_steps) if s not in schedule]
     if missing:

@@ -1,5 +1,6 @@
 """What a chaos run found: one :class:`ScheduleResult` per schedule, summed up in a :class:`ChaosResult`
 (``.ok``, ``.violations``, ``to_dict()`` for ``elastic chaos --json``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,16 @@ class Violation:
     replay: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "index": self.index, "scenario": self.scenario, "promise": self.promise,
-                "detail": self.detail, "evidence": self.evidence, "faults": list(self.faults), "replay": self.replay}
+        return {
+            "seed": self.seed,
+            "index": self.index,
+            "scenario": self.scenario,
+            "promise": self.promise,
+            "detail": self.detail,
+            "evidence": self.evidence,
+            "faults": list(self.faults),
+            "replay": self.replay,
+        }
 
     def __str__(self) -> str:
         return f"{self.promise} broken by {self.scenario} (seed {self.seed}, index {self.index}): {self.detail}"
@@ -52,18 +61,37 @@ class ScheduleResult:
     @property
     def violations(self) -> list[Violation]:
         s = self.schedule
-        return [Violation(seed=s.seed, index=s.index, scenario=s.scenario, promise=p.promise, detail=p.detail,
-                          evidence=p.evidence, faults=tuple(f.to_dict() for f in s.faults), replay=self.replay)
-                for p in self.verdict.failed]
+        return [
+            Violation(
+                seed=s.seed,
+                index=s.index,
+                scenario=s.scenario,
+                promise=p.promise,
+                detail=p.detail,
+                evidence=p.evidence,
+                faults=tuple(f.to_dict() for f in s.faults),
+                replay=self.replay,
+            )
+            for p in self.verdict.failed
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
-        return {**self.schedule.to_dict(), "outcome": r.outcome, "injected": self.injected, "seconds": r.seconds,
-                "recomputed": r.recomputed, "restores": [dict(x) for x in r.restores],
-                "min_slices_seen": r.min_slices_seen, "error": r.error,
-                "promises": {p.promise: p.status for p in self.verdict.promises}, "replay": self.replay,
-                "equivalence": {k: v for k, v in self.verdict["equivalence"].evidence.items()
-                                if k in ("mode", "atol", "max_abs_diff")}}
+        return {
+            **self.schedule.to_dict(),
+            "outcome": r.outcome,
+            "injected": self.injected,
+            "seconds": r.seconds,
+            "recomputed": r.recomputed,
+            "restores": [dict(x) for x in r.restores],
+            "min_slices_seen": r.min_slices_seen,
+            "error": r.error,
+            "promises": {p.promise: p.status for p in self.verdict.promises},
+            "replay": self.replay,
+            "equivalence": {
+                k: v for k, v in self.verdict["equivalence"].evidence.items() if k in ("mode", "atol", "max_abs_diff")
+            },
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,8 +127,18 @@ class ChaosResult:
 
     @property
     def violations(self) -> list[Violation]:
-        found = [Violation(seed=self.seed, index=None, scenario="reference", promise=p.promise, detail=p.detail,
-                           evidence=p.evidence, replay=self.replay) for p in self.reference_verdict.failed]
+        found = [
+            Violation(
+                seed=self.seed,
+                index=None,
+                scenario="reference",
+                promise=p.promise,
+                detail=p.detail,
+                evidence=p.evidence,
+                replay=self.replay,
+            )
+            for p in self.reference_verdict.failed
+        ]
         return found + [v for r in self.results for v in r.violations]
 
     @property
@@ -108,9 +146,18 @@ class ChaosResult:
         return not self.violations and self.hangs == 0 and self.not_run == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "target": self.target, "schedules": self.schedules,
-                "faults_injected": self.faults_injected, "recovered": self.recovered,
-                "gave_up_as_expected": self.gave_up_as_expected, "violations": [v.to_dict() for v in self.violations],
-                "hangs": self.hangs, "not_run": self.not_run, "ok": self.ok,
-                "reference_seconds": self.reference.seconds, "config_overrides": self.config_overrides,
-                "runs": [r.to_dict() for r in self.results]}
+        return {
+            "seed": self.seed,
+            "target": self.target,
+            "schedules": self.schedules,
+            "faults_injected": self.faults_injected,
+            "recovered": self.recovered,
+            "gave_up_as_expected": self.gave_up_as_expected,
+            "violations": [v.to_dict() for v in self.violations],
+            "hangs": self.hangs,
+            "not_run": self.not_run,
+            "ok": self.ok,
+            "reference_seconds": self.reference.seconds,
+            "config_overrides": self.config_overrides,
+            "runs": [r.to_dict() for r in self.results],
+        }

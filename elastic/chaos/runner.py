@@ -7,6 +7,7 @@ a thread bounded by ``timeout_s`` (a run past it is a hang, reported, not a froz
 :mod:`elastic.chaos.invariants` on each. Every run uses the Ray this process is connected to (or one embedded
 cluster started here for all of them).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,17 +24,17 @@ import jax
 import numpy as np
 
 from elastic import runtime
+from elastic.api.job import ElasticJob
 from elastic.chaos.catalogue import HANG_STEP_TIMEOUT_S, JobShape, Schedule, applicable, schedule
+from elastic.chaos.injector import snapshotter_of
+from elastic.chaos.invariants import RunRecord, check
+from elastic.chaos.replay import replay, trail_schedule
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.chaos.seams import Seams
-from elastic.control.cluster import cleanup, connect
 from elastic.config import ElasticConfig
+from elastic.control.cluster import cleanup, connect
 from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
-from elastic.chaos.replay import replay, trail_schedule
-from elastic.api.job import ElasticJob
-from elastic.chaos.invariants import RunRecord, check
 from elastic.log import get_logger
-from elastic.chaos.injector import snapshotter_of
 from elastic.snapshot import NoSnapshotError
 
 __all__ = ["ChaosRunner", "Target", "load_target"]
@@ -74,17 +75,23 @@ def load_target(spec: TargetSpec) -> tuple[Target, str]:
     try:
         kwargs = dict(fn())
     except Exception as err:  # noqa: BLE001 - whatever the user's function raised, said as what to fix
-        raise ConfigError(f"the chaos target {label}() failed: {type(err).__name__}: {err}; it takes no arguments "
-                          "and returns a dict of config, init_fn, loop (optionally shardings_fn, mesh_fn)") from err
+        raise ConfigError(
+            f"the chaos target {label}() failed: {type(err).__name__}: {err}; it takes no arguments "
+            "and returns a dict of config, init_fn, loop (optionally shardings_fn, mesh_fn)"
+        ) from err
     unknown = sorted(set(kwargs) - {"config", "init_fn", "loop", "shardings_fn", "mesh_fn"})
     missing = sorted({"config", "init_fn", "loop"} - set(kwargs))
     if unknown or missing:
-        raise ConfigError(f"the chaos target {label} returned keys {sorted(kwargs)}: it needs config, init_fn and "
-                          f"loop (optionally shardings_fn, mesh_fn){'; unknown: ' + str(unknown) if unknown else ''}")
+        raise ConfigError(
+            f"the chaos target {label} returned keys {sorted(kwargs)}: it needs config, init_fn and "
+            f"loop (optionally shardings_fn, mesh_fn){'; unknown: ' + str(unknown) if unknown else ''}"
+        )
     target = Target(**kwargs)
     if not isinstance(target.config, ElasticConfig) or not target.config.simulated:
-        raise ConfigError(f"the chaos target {label} must give an elastic.ElasticConfig with simulated=True: chaos "
-                          "kills simulated slices (in multi-process mode: worker processes on forced CPU devices)")
+        raise ConfigError(
+            f"the chaos target {label} must give an elastic.ElasticConfig with simulated=True: chaos "
+            "kills simulated slices (in multi-process mode: worker processes on forced CPU devices)"
+        )
     return target, label
 
 
@@ -130,8 +137,15 @@ def _describe(schedule: dict[int, tuple[int, ...]]) -> str:
 
 
 class ChaosRunner:
-    def __init__(self, target: TargetSpec = None, *, seed: int = 0, steps: int | None = None,
-                 timeout_s: float = 120.0, scenarios: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        target: TargetSpec = None,
+        *,
+        seed: int = 0,
+        steps: int | None = None,
+        timeout_s: float = 120.0,
+        scenarios: Sequence[str] | None = None,
+    ) -> None:
         self._target, self.label = load_target(target)
         self.seed, self.timeout_s, self.scenarios = seed, timeout_s, scenarios
         cfg = self._target.config
@@ -145,8 +159,12 @@ class ChaosRunner:
         self.shape = JobShape.of(self.config)
         applicable(self.shape, scenarios)  # unknown names, or none that fits, fail before anything starts
         named = target is not None and "<" not in self.label  # a module-level function replays by its name
-        self._replay = f"elastic chaos --seed {seed}" + (f" --target {self.label}" if named else "") + (
-            f" --steps {steps}" if steps else "") + (f" --scenarios {','.join(scenarios)}" if scenarios else "")
+        self._replay = (
+            f"elastic chaos --seed {seed}"
+            + (f" --target {self.label}" if named else "")
+            + (f" --steps {steps}" if steps else "")
+            + (f" --scenarios {','.join(scenarios)}" if scenarios else "")
+        )
         if cfg.tiers.persistent_dir is not None:
             self._scratch = tempfile.mkdtemp(prefix="elastic-chaos-")
             self.overrides["tiers.persistent_dir"] = f"{self._scratch}/<job_name>"
@@ -154,8 +172,13 @@ class ChaosRunner:
         self._stuck = False
         self._log = get_logger("elastic.chaos.catalogue", target=self.label)
 
-    def run(self, count: int, *, indices: Sequence[int] | None = None,
-            progress: Callable[[ScheduleResult], None] | None = None) -> ChaosResult:
+    def run(
+        self,
+        count: int,
+        *,
+        indices: Sequence[int] | None = None,
+        progress: Callable[[ScheduleResult], None] | None = None,
+    ) -> ChaosResult:
         """Run schedules ``0..count-1`` of the seed (or only ``indices``), after the reference."""
         connect()
         plans = [schedule(self.seed, i, self.shape, self.scenarios) for i in (indices or range(count))]
@@ -167,32 +190,53 @@ class ChaosRunner:
             results.append(self.run_schedule(plan))
             if progress is not None:
                 progress(results[-1])
-        return ChaosResult(seed=self.seed, target=self.label, results=tuple(results), reference=reference,
-                           reference_verdict=check(reference), not_run=len(plans) - len(results),
-                           config_overrides=dict(self.overrides), replay=self._replay)
+        return ChaosResult(
+            seed=self.seed,
+            target=self.label,
+            results=tuple(results),
+            reference=reference,
+            reference_verdict=check(reference),
+            not_run=len(plans) - len(results),
+            config_overrides=dict(self.overrides),
+            replay=self._replay,
+        )
 
     def reference(self) -> RunRecord:
         """The failure-free run of the same target and seed (run once, then cached)."""
         if self._reference is None:
             record, _ = self._execute(f"{self.config.job_name}-chaos-ref", None)
             if record.outcome != "finished":
-                raise ElasticError(f"the failure-free reference run of {self.label} did not finish "
-                                   f"({record.outcome}): {record.error}")
+                raise ElasticError(
+                    f"the failure-free reference run of {self.label} did not finish ({record.outcome}): {record.error}"
+                )
             self._reference = record
         return self._reference
 
     def run_schedule(self, plan: Schedule) -> ScheduleResult:
         record, injected = self._execute(f"{self.config.job_name}-chaos{plan.seed}-{plan.index}", plan)
-        result = ScheduleResult(schedule=plan, record=record, injected=injected,
-                                verdict=check(record, self.reference()), replay=f"{self._replay} --index {plan.index}")
-        self._log.info("chaos_schedule", seed=plan.seed, index=plan.index, scenario=plan.scenario,
-                       outcome=record.outcome, injected=injected, seconds=record.seconds,
-                       broken=[p.promise for p in result.verdict.failed])
+        result = ScheduleResult(
+            schedule=plan,
+            record=record,
+            injected=injected,
+            verdict=check(record, self.reference()),
+            replay=f"{self._replay} --index {plan.index}",
+        )
+        self._log.info(
+            "chaos_schedule",
+            seed=plan.seed,
+            index=plan.index,
+            scenario=plan.scenario,
+            outcome=record.outcome,
+            injected=injected,
+            seconds=record.seconds,
+            broken=[p.promise for p in result.verdict.failed],
+        )
         return result
 
     # -- one bounded run -------------------------------------------------------------------------------
-    def _replayed(self, job: ElasticJob, cfg: ElasticConfig, trail: list[tuple[int, tuple[int, ...]]]
-                ) -> tuple[dict[str, np.ndarray] | None, str]:
+    def _replayed(
+        self, job: ElasticJob, cfg: ElasticConfig, trail: list[tuple[int, tuple[int, ...]]]
+    ) -> tuple[dict[str, np.ndarray] | None, str]:
         """The schedule's equivalence reference: the target's loop replayed over the run's own device schedule
         (:mod:`elastic.chaos.replay`); None and why when it cannot be."""
         schedule = trail_schedule(trail)
@@ -201,8 +245,15 @@ class ChaosRunner:
         t = self._target
         runtime.simulated.reset()  # the run's killed slices: the replay runs on their devices as the run did
         try:
-            state = replay(config=cfg, topology=job.topology, schedule=schedule, loop=t.loop, init_fn=t.init_fn,
-                           shardings=job._shardings, mesh_fn=t.mesh_fn)  # noqa: SLF001 - the job's own rule
+            state = replay(
+                config=cfg,
+                topology=job.topology,
+                schedule=schedule,
+                loop=t.loop,
+                init_fn=t.init_fn,
+                shardings=job._shardings,
+                mesh_fn=t.mesh_fn,
+            )  # noqa: SLF001 - the job's own rule
             return _host_leaves(state), (f"replayed over the run's device schedule: {_describe(schedule)}")
         except Exception as err:  # noqa: BLE001 - no replay: the tolerance against the reference applies
             return None, f"the replay failed: {type(err).__name__}: {str(err)[:200]}"
@@ -227,8 +278,14 @@ class ChaosRunner:
             else:
                 trail.append((step, run.slices))
 
-        job = ElasticJob(cfg, init_fn=t.init_fn, shardings_fn=t.shardings_fn, mesh_fn=t.mesh_fn,
-                         faults=plan.plan() if plan is not None else None, on_step=on_step)
+        job = ElasticJob(
+            cfg,
+            init_fn=t.init_fn,
+            shardings_fn=t.shardings_fn,
+            mesh_fn=t.mesh_fn,
+            faults=plan.plan() if plan is not None else None,
+            on_step=on_step,
+        )
         seams = Seams(plan, job) if plan is not None and not multi else None  # multi: every fault is in the plan
         if seams is not None:
             job.during_prepare.append(seams.during)
@@ -263,23 +320,37 @@ class ChaosRunner:
             runtime.simulated.reset()
             worker.join(GRACE_S)
             self._stuck = worker.is_alive()
-            then = ("it did not unwind" if self._stuck
-                    else f"then, its actors killed: {box['outcome']} {box['error'] or ''}")
+            then = (
+                "it did not unwind"
+                if self._stuck
+                else f"then, its actors killed: {box['outcome']} {box['error'] or ''}"
+            )
             box.update(outcome="hang", error=f"did not end within {self.timeout_s} s ({then.strip()})", state=None)
         ledger, report = job.ledger, job.report
         replayed, replay_note = None, "multi-process mode: the workers' devices are not in this process"
         if not multi and plan is not None and box["outcome"] == "finished":
             replayed, replay_note = self._replayed(job, cfg, trail)
         record = RunRecord(
-            num_steps=cfg.num_steps, snapshot_every=cfg.snapshot_every, keeper_every=cfg.tiers.keeper_every,
+            num_steps=cfg.num_steps,
+            snapshot_every=cfg.snapshot_every,
+            keeper_every=cfg.tiers.keeper_every,
             persistent_every=cfg.tiers.persistent_every if cfg.tiers.persistent_dir else None,
-            outcome=box["outcome"], expect=plan.expect if plan is not None else "finish", error=box["error"],
-            steps=tuple(ledger.steps), batches=tuple(ledger.batches),
+            outcome=box["outcome"],
+            expect=plan.expect if plan is not None else "finish",
+            error=box["error"],
+            steps=tuple(ledger.steps),
+            batches=tuple(ledger.batches),
             executed=tuple(executed if multi else (s for s, _ in trail)),  # every confirmed commit, in order
             recomputed=ledger.recomputed,
-            restores=tuple(report.restores), slices_initial=report.slices_initial,
-            min_slices_seen=report.min_slices_seen, state=box.get("state"), latest_snapshot_step=box.get("latest"),
-            snapshots_dropped=box.get("dropped"), seconds=round(seconds, 3), replay_state=replayed,
+            restores=tuple(report.restores),
+            slices_initial=report.slices_initial,
+            min_slices_seen=report.min_slices_seen,
+            state=box.get("state"),
+            latest_snapshot_step=box.get("latest"),
+            snapshots_dropped=box.get("dropped"),
+            seconds=round(seconds, 3),
+            replay_state=replayed,
             replay_note=replay_note,
-            bound_s=self.timeout_s)
+            bound_s=self.timeout_s,
+        )
         return record, sum(e["event"].startswith("inject_") for e in job.timeline.events)

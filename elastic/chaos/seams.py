@@ -7,6 +7,7 @@ faults before ``commit`` waits for the step, and ``snapshot`` faults right after
 every commit in order (recomputed ones included), which the bounded-loss check reads. ``Seams.during`` is
 the job's ``during_prepare`` hook: it fires the ``restore`` / ``reshard`` / ``grow`` faults inside the move.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,12 +16,12 @@ from typing import Any
 
 import ray
 
+from elastic.api.job import ElasticJob
+from elastic.api.run import Run
 from elastic.chaos.catalogue import ChaosFault, Schedule
 from elastic.chaos.faults import Fault, Faults
-from elastic.api.job import ElasticJob
-from elastic.log import get_logger
-from elastic.api.run import Run
 from elastic.chaos.injector import FaultInjector, snapshotter_of
+from elastic.log import get_logger
 from elastic.snapshot.testing import flip_byte
 
 __all__ = ["Seams"]
@@ -33,9 +34,14 @@ class Seams:
         self._job = job
         self._pending = list(schedule.seams())
         self._silences = {f.at_step: f.slice for f in schedule.faults if f.kind == "silence"}
-        self._injector = FaultInjector(Faults(), topology=job.topology, simulated=job.config.simulated,
-                                       group=lambda: job.group, accounting=job._acct,  # noqa: SLF001 - its own job
-                                       job=job.config.job_name)
+        self._injector = FaultInjector(
+            Faults(),
+            topology=job.topology,
+            simulated=job.config.simulated,
+            group=lambda: job.group,
+            accounting=job._acct,  # noqa: SLF001 - its own job
+            job=job.config.job_name,
+        )
         self._events_seen = 0
         self._slices: tuple[int, ...] | None = None
         self._reached = -1  # the highest step started
@@ -58,7 +64,7 @@ class Seams:
 
     def _entered(self, run: Run) -> None:
         events = self._job.timeline.events
-        kinds = {e["event"] for e in events[self._events_seen:]}
+        kinds = {e["event"] for e in events[self._events_seen :]}
         self._events_seen = len(events)
         before, self._slices = self._slices, run.slices
         if before is None:
@@ -75,8 +81,12 @@ class Seams:
             self._reached = max(self._reached, step)
             if step in self._silences:
                 self._hold(run, self._silences.pop(step))
-        due = [f for f in self._pending if f.phase == phase and
-               (f.at_step == step if not phase.startswith("after_") else self._reached >= f.at_step)]
+        due = [
+            f
+            for f in self._pending
+            if f.phase == phase
+            and (f.at_step == step if not phase.startswith("after_") else self._reached >= f.at_step)
+        ]
         for fault in due:
             self._pending.remove(fault)
             self._inject(fault, run, step)

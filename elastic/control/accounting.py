@@ -1,5 +1,6 @@
 """What a job keeps account of: the commit ledger, the timeline, the report, and the failure being
 recovered from. The controller tells it what happened; it never decides anything."""
+
 from __future__ import annotations
 
 import os
@@ -7,9 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic.control.report import Ledger, Report, Timeline
 from elastic.log import get_logger
 from elastic.supervision.membership import View
-from elastic.control.report import Ledger, Report, Timeline
 
 __all__ = ["Accounting"]
 
@@ -50,8 +51,12 @@ class Accounting:
 
     def meta(self, extras: dict[str, Any], seed: int) -> dict[str, Any]:
         """Controller state for a snapshot: the ledger as runs, the user's extras, the client pids."""
-        return {"ledger": self.ledger.to_meta(), "extras": extras, "pids": sorted(self.pids | {os.getpid()}),
-                "seed": seed}
+        return {
+            "ledger": self.ledger.to_meta(),
+            "extras": extras,
+            "pids": sorted(self.pids | {os.getpid()}),
+            "seed": seed,
+        }
 
     def on_view(self, view: View) -> None:
         self.report.min_slices_seen = min(self.report.min_slices_seen, len(view.active))
@@ -65,17 +70,36 @@ class Accounting:
         self._failure_at = self._failure_at or time.time()
         self.timeline.add("failure", error=cause.splitlines()[0][:160])
 
-    def restored(self, meta: dict[str, Any], *, step: int, tier: str, generation: int, view: View,
-                 waited_s: float = 0.0, source: str = "copies", shards_kept: int = 0,
-                 detail: dict[str, Any] | None = None) -> None:
+    def restored(
+        self,
+        meta: dict[str, Any],
+        *,
+        step: int,
+        tier: str,
+        generation: int,
+        view: View,
+        waited_s: float = 0.0,
+        source: str = "copies",
+        shards_kept: int = 0,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
         self.ledger.rollback(meta["ledger"])
         self.pids = set(meta["pids"])
         self.report.restores.append({"step": step, "tier": tier, "generation": generation, "source": source})
         if self.report.resumed_from_tier is None and os.getpid() not in self.pids:
             self.report.resumed_from_tier = tier  # a new client picking up a crashed one's job
-        self.timeline.add("restored", step=step, tier=tier, generation=generation, slices=len(view.active),
-                          epoch=view.epoch, waited_for_snapshot_s=waited_s, source=source, shards_kept=shards_kept,
-                          **(detail or {}))
+        self.timeline.add(
+            "restored",
+            step=step,
+            tier=tier,
+            generation=generation,
+            slices=len(view.active),
+            epoch=view.epoch,
+            waited_for_snapshot_s=waited_s,
+            source=source,
+            shards_kept=shards_kept,
+            **(detail or {}),
+        )
 
     def fresh_start(self, step: int = 0) -> None:
         """Nothing saved anywhere: commits so far (if any) will be redone from ``step`` (0, or the step of the

@@ -7,6 +7,7 @@ supervisor and agents, waits (bounded) until each agent has registered, and tear
 ``respawnable`` (its agent died), at most once per ``respawn_every_s`` per slice: the client owns agent
 creation (and the incarnation counter that names agents ``agent-{slice}-{incarnation}``), so it respawns too.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,18 +23,26 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from elastic import quiet
-
-from elastic.supervision import events
-from elastic.supervision.agent import SliceAgent
 from elastic.config import ElasticConfig
 from elastic.control.private import elastic_home, write_private
 from elastic.errors import AccessError, ElasticError, SupervisorError
 from elastic.log import get_logger
-from elastic.supervision import credential
+from elastic.supervision import credential, events
+from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "cleanup", "connect", "find_token", "job_token", "read_token", "token_path"]
+__all__ = [
+    "ActorGroup",
+    "AgentFactory",
+    "SliceAgents",
+    "cleanup",
+    "connect",
+    "find_token",
+    "job_token",
+    "read_token",
+    "token_path",
+]
 
 
 def connect(address: str | None = None) -> bool:
@@ -69,8 +78,13 @@ def _start_reaper(session_dir: str) -> None:
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
-    pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "elastic.control.reaper", "--pid", str(os.getpid()),
-                                          "--session-dir", session_dir], env, file_actions=devnull, setsid=True)
+    pid = os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-m", "elastic.control.reaper", "--pid", str(os.getpid()), "--session-dir", session_dir],
+        env,
+        file_actions=devnull,
+        setsid=True,
+    )
     _REAPERS.append(pid)
     threading.Thread(target=os.waitpid, args=(pid, 0), name="reaper-wait", daemon=True).start()  # no zombie
 
@@ -78,8 +92,9 @@ def _start_reaper(session_dir: str) -> None:
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
 
 
-def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = False,
-            token: str | None = None) -> list[str]:
+def cleanup(
+    job_name: str, *, keep_keepers: bool = False, purge_events: bool = False, token: str | None = None
+) -> list[str]:
     """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
 
     The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
@@ -93,8 +108,11 @@ def cleanup(job_name: str, *, keep_keepers: bool = False, purge_events: bool = F
     """
     token = find_token(job_name, token)
     namespace = ElasticConfig(job_name=job_name).namespace
-    names = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-             if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))]
+    names = [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))
+    ]
     _authorize_cleanup(job_name, namespace, token, names, purge_events)
     killed = []
     for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
@@ -115,8 +133,10 @@ def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: 
     """``AccessError`` unless ``token`` is job ``job_name``'s credential, as its supervisor (if alive) or its
     event stream's signatures (if it has one) tell; a job with neither has nothing to protect."""
     what = f"cleanup of job {job_name!r}"
-    hint = ("pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
-            "its own user")
+    hint = (
+        "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
+        "its own user"
+    )
     if SUPERVISOR_NAME in names:
         try:
             supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
@@ -173,16 +193,22 @@ class SliceAgents:
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
         cfg = self._config
         return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
-            index, incarnation, supervisor, cfg.heartbeat_interval_s,
-                                                    cfg.job_name)
+            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name
+        )
 
 
 class ActorGroup:
     """The supervisor and the slice agents of one job (``agents`` starts each: single-process mode's small agent
     actors, or multi-process mode's worker processes, which are their slices' agents)."""
 
-    def __init__(self, config: ElasticConfig, *, agent_nodes: dict[int, str] | None = None,
-                 agents: AgentFactory | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        agent_nodes: dict[int, str] | None = None,
+        agents: AgentFactory | None = None,
+        token: str | None = None,
+    ) -> None:
         self._config = config
         self._factory = agents or SliceAgents(config)
         self._agent_nodes = dict(agent_nodes or {})
@@ -234,8 +260,7 @@ class ActorGroup:
         ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
         ray.get(self.supervisor.start.remote(), timeout=cfg.startup_timeout_s)
         if self.respawn_every_s is not None:
-            self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}",
-                                               daemon=True)
+            self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}", daemon=True)
             self._respawner.start()
 
     @property
@@ -250,14 +275,17 @@ class ActorGroup:
         cfg = self._config
         token = find_token(cfg.job_name)
         if token is None:
-            raise AccessError(f"a supervisor for job {cfg.job_name!r} runs and this process holds no credential for "
-                              "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN")
+            raise AccessError(
+                f"a supervisor for job {cfg.job_name!r} runs and this process holds no credential for "
+                "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN"
+            )
         self.token = token
         try:  # the crashed client's run goes on: one stream tells the crash and the take-over
             self.run = ray.get(existing.run_id.remote(token=token), timeout=10)
         except AccessError as err:
-            raise AccessError(f"job {cfg.job_name!r} runs under another credential than this process's: pick "
-                              "another job_name") from err
+            raise AccessError(
+                f"job {cfg.job_name!r} runs under another credential than this process's: pick another job_name"
+            ) from err
         except Exception:  # noqa: BLE001 - a dead or older supervisor: its job's current run, if any
             self.run = events.current_run(cfg.job_name)
         deadline = time.monotonic() + CLIENT_GONE_S + 5.0
@@ -299,8 +327,7 @@ class ActorGroup:
             if self._factory.detached:
                 options["lifetime"] = "detached"
             if index in self._agent_nodes:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index],
-                                                                                soft=False)
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
             agent = self._factory(index, incarnation, self._for_agents, options)
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
@@ -330,8 +357,11 @@ class ActorGroup:
         with self._lock:
             agent = self._spawn(index)
             incarnation = self._incarnations[index]
-            self._starting[index] = (incarnation, agent.start.remote(),
-                                     time.monotonic() + self._config.startup_timeout_s)
+            self._starting[index] = (
+                incarnation,
+                agent.start.remote(),
+                time.monotonic() + self._config.startup_timeout_s,
+            )
         self._expect(index, incarnation)
         self._log.warning("agent_revived", slice=index, incarnation=incarnation)
         return True
@@ -349,8 +379,11 @@ class ActorGroup:
                 return False
             agent = self._spawn(index)
             incarnation = self._incarnations[index]
-            self._starting[index] = (incarnation, agent.start.remote(),
-                                     time.monotonic() + self._config.startup_timeout_s)
+            self._starting[index] = (
+                incarnation,
+                agent.start.remote(),
+                time.monotonic() + self._config.startup_timeout_s,
+            )
             self.respawns.append((index, incarnation))
         self._expect(index, incarnation)
         self._log.warning("agent_replaced", slice=index, incarnation=incarnation, dead_incarnation=dead)
@@ -408,8 +441,7 @@ class ActorGroup:
                         continue
                 agent = self._spawn(index)
                 new = self._incarnations[index]
-                self._starting[index] = (new, agent.start.remote(),
-                                         time.monotonic() + self._config.startup_timeout_s)
+                self._starting[index] = (new, agent.start.remote(), time.monotonic() + self._config.startup_timeout_s)
                 self.respawns.append((index, new))
                 self._expect(index, new)
                 self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
@@ -451,8 +483,12 @@ class ActorGroup:
         """Kill slice ``index``'s agent for real (as its host dying would)."""
         ray.kill(self._agents[index], no_restart=True)
 
-    @retry(retry=retry_if_exception_type(ray.exceptions.GetTimeoutError), stop=stop_after_delay(30),
-           wait=wait_exponential(multiplier=0.1, max=2), reraise=True)
+    @retry(
+        retry=retry_if_exception_type(ray.exceptions.GetTimeoutError),
+        stop=stop_after_delay(30),
+        wait=wait_exponential(multiplier=0.1, max=2),
+        reraise=True,
+    )
     def events(self) -> list[dict[str, Any]]:
         return ray.get(self.supervisor.events.remote(), timeout=10)
 

@@ -10,6 +10,7 @@ The failure path reads in three files: detection (the placement's errors, the su
 :mod:`elastic.control.watcher`), decision (:func:`elastic.supervision.policy.decide` and the transition
 table), action (the executors below, and the placement's ``prepare``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,9 +26,28 @@ from elastic.control.cluster import ActorGroup
 from elastic.control.placement import Placement, PrepareHook
 from elastic.control.report import Report
 from elastic.control.stall import StallReporter
-from elastic.control.transitions import (Abort, Action, AwaitView, Boundary, Event, Failed, Finish, GiveUp,
-                                         LoopReturned, Machine, NoteFailure, Noted, Prepare, Probe, Probed, Ready,
-                                         RunPass, Started, ViewSeen, transition)
+from elastic.control.transitions import (
+    Abort,
+    Action,
+    AwaitView,
+    Boundary,
+    Event,
+    Failed,
+    Finish,
+    GiveUp,
+    LoopReturned,
+    Machine,
+    Noted,
+    NoteFailure,
+    Prepare,
+    Probe,
+    Probed,
+    Ready,
+    RunPass,
+    Started,
+    ViewSeen,
+    transition,
+)
 from elastic.control.watcher import ViewWatcher
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.log import get_logger
@@ -49,9 +69,18 @@ class JobResult:
 
 
 class Controller:
-    def __init__(self, *, config: ElasticConfig, placement: Placement, watcher: ViewWatcher, group: ActorGroup,
-                 accounting: Accounting, before_step: list[StepHook], on_step: StepCallback | None,
-                 during_prepare: list[PrepareHook] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: ElasticConfig,
+        placement: Placement,
+        watcher: ViewWatcher,
+        group: ActorGroup,
+        accounting: Accounting,
+        before_step: list[StepHook],
+        on_step: StepCallback | None,
+        during_prepare: list[PrepareHook] | None = None,
+    ) -> None:
         self.config = config
         self.num_steps = config.num_steps
         self._placement = placement
@@ -78,8 +107,9 @@ class Controller:
         try:
             while True:
                 machine, action = transition(machine, event, self.config.max_transient_retries)
-                self._log.debug("transition", state=machine.state.value, action=type(action).__name__,
-                                epoch=machine.view.epoch)
+                self._log.debug(
+                    "transition", state=machine.state.value, action=type(action).__name__, epoch=machine.view.epoch
+                )
                 next_event = self._execute(machine, action, loop)
                 if next_event is None:
                     assert self._result is not None
@@ -93,8 +123,9 @@ class Controller:
         crashed client sees its agents register one by one); any slice past a short bound."""
         everything = frozenset(range(self.config.num_slices))
         try:
-            return self._watcher.wait_for(lambda v: v.active >= everything, min(10.0, self.config.startup_timeout_s),
-                                          what="every slice")
+            return self._watcher.wait_for(
+                lambda v: v.active >= everything, min(10.0, self.config.startup_timeout_s), what="every slice"
+            )
         except RecoveryTimeoutError:
             return self._watcher.wait_for(lambda v: bool(v.active), self.config.startup_timeout_s, what="any slice")
 
@@ -112,8 +143,13 @@ class Controller:
             cause = f"{type(err).__name__}: {err}"
             self._failure = (cause, kind is runtime.FailureKind.HUNG)
             steps = self._acct.ledger.steps
-            self._log.warning("step_hung" if self._failure[1] else "slice_loss_error", epoch=machine.view.epoch,
-                              step=steps[-1] + 1 if steps else 0, state=machine.state.value, error=cause[:300])
+            self._log.warning(
+                "step_hung" if self._failure[1] else "slice_loss_error",
+                epoch=machine.view.epoch,
+                step=steps[-1] + 1 if steps else 0,
+                state=machine.state.value,
+                error=cause[:300],
+            )
             return Failed(cause)
         if isinstance(action, NoteFailure):
             self._acct.failure(action.cause)
@@ -142,24 +178,33 @@ class Controller:
         self._acct.on_view(view)
         if self._recovering or action.live:  # moving to another mesh: did the standbys cover it?
             ready = self._placement.standby_ready(view)
-            self._acct.timeline.add("standby_ready" if ready else "compile_on_move", epoch=view.epoch,
-                                    slices=len(view.active))
+            self._acct.timeline.add(
+                "standby_ready" if ready else "compile_on_move", epoch=view.epoch, slices=len(view.active)
+            )
         if self._recovering:
             self._acct.report.recoveries += 1
             self._acct.timeline.add("detected", epoch=view.epoch, slices=len(view.active), reason=view.reason)
             self._recovering = False
         placed = self._placement.prepare(view, live=action.live, during=self._during_prepare)
         if placed.how == "moved":
-            self._acct.timeline.add("resharded", step=placed.step, slices=len(view.active), epoch=view.epoch,
-                                    **placed.detail)
+            self._acct.timeline.add(
+                "resharded", step=placed.step, slices=len(view.active), epoch=view.epoch, **placed.detail
+            )
         elif placed.how == "fresh":
             self._acct.fresh_start(placed.step)
         else:
-            self._acct.restored(placed.meta, step=placed.step, tier=placed.tier or "memory",
-                                generation=placed.generation, view=view, waited_s=placed.waited_s,
-                                source=placed.source, shards_kept=placed.shards_kept, detail=placed.detail)
-            self._log.info("restored", step=placed.step, tier=placed.tier, epoch=view.epoch,
-                           slices=sorted(view.active))
+            self._acct.restored(
+                placed.meta,
+                step=placed.step,
+                tier=placed.tier or "memory",
+                generation=placed.generation,
+                view=view,
+                waited_s=placed.waited_s,
+                source=placed.source,
+                shards_kept=placed.shards_kept,
+                detail=placed.detail,
+            )
+            self._log.info("restored", step=placed.step, tier=placed.tier, epoch=view.epoch, slices=sorted(view.active))
         return Ready()
 
     def _heartbeat_figures(self, report: Report) -> None:
@@ -189,8 +234,11 @@ class Controller:
             return Boundary(end.regroup)
         self._value = end.value
         steps = self._acct.ledger.steps
-        return LoopReturned(complete=steps[-1:] == [self.num_steps - 1], last_committed=steps[-1] if steps else None,
-                            last_step=self.num_steps - 1)
+        return LoopReturned(
+            complete=steps[-1:] == [self.num_steps - 1],
+            last_committed=steps[-1] if steps else None,
+            last_step=self.num_steps - 1,
+        )
 
     def _probe(self, action: Probe) -> Event:
         """Which slices answer within ``step_timeout_s`` (one that does not is dead)."""
@@ -204,15 +252,17 @@ class Controller:
     def _await_view(self, action: AwaitView) -> Event:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
         incarnations, suspect = self._placement.lost(action.dead)
-        self._group.supervisor.report_lost.remote(sorted(action.dead), "client probe after a slice-loss error",
-                                                  incarnations=incarnations, suspect=suspect)
+        self._group.supervisor.report_lost.remote(
+            sorted(action.dead), "client probe after a slice-loss error", incarnations=incarnations, suspect=suspect
+        )
 
         def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
             back = self._placement.replaced(action.dead & v.active, incarnations)
             return v.epoch > action.after_epoch and not (v.active & action.dead) - back
 
-        view = self._watcher.wait_for(settled, self.config.recovery_timeout_s,
-                                      what=f"slices {sorted(action.dead)} removed or replaced")
+        view = self._watcher.wait_for(
+            settled, self.config.recovery_timeout_s, what=f"slices {sorted(action.dead)} removed or replaced"
+        )
         return ViewSeen(view)
 
     # -- what the placement calls (elastic.control.placement.PlacementHost) ----------------------

@@ -5,6 +5,7 @@ and, after commits, writes a ``progress`` record (step, steps per second since t
 the newest complete snapshot and its deepest tier) at most every ``every_s`` seconds, and at once when the
 slices change. Writes are cheap (one GCS put); a failed one is counted by the stream, never raised.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,9 @@ PROGRESS_EVERY_S = 5.0
 
 
 class ClientEvents:
-    def __init__(self, stream: EventStream, snapshot: Callable[[], tuple[int, str] | None], *,
-                 every_s: float = PROGRESS_EVERY_S) -> None:
+    def __init__(
+        self, stream: EventStream, snapshot: Callable[[], tuple[int, str] | None], *, every_s: float = PROGRESS_EVERY_S
+    ) -> None:
         self.stream = stream
         self._snapshot = snapshot
         self._every_s = every_s
@@ -45,6 +47,13 @@ class ClientEvents:
         if self._last is not None and now > self._last[0] and step > self._last[1]:
             rate = round((step - self._last[1]) / (now - self._last[0]), 3)
         snap = self._snapshot()
-        self.stream.append("progress", step=step, steps_per_s=rate, slices=list(slices), epoch=view.epoch,
-                           snapshot_step=snap[0] if snap else None, snapshot_tier=snap[1] if snap else None)
+        self.stream.append(
+            "progress",
+            step=step,
+            steps_per_s=rate,
+            slices=list(slices),
+            epoch=view.epoch,
+            snapshot_step=snap[0] if snap else None,
+            snapshot_tier=snap[1] if snap else None,
+        )
         self._last, self._slices = (now, step), slices

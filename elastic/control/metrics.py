@@ -28,6 +28,7 @@ gauge that was not set for two report intervals, so a thread sets the gauges aga
 the job runs and for a minute after it finished (a job whose process is gone leaves no gauges behind).
 Nothing here raises into training: an error is logged once and that update is skipped.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,17 +69,20 @@ def instruments() -> dict[str, Any]:
             _instruments.update(
                 steps=Counter("elastic_steps_committed", "Steps committed for the first time", job),
                 recomputed=Counter("elastic_steps_recomputed", "Commits of steps already committed once", job),
-                step_s=Histogram("elastic_step_seconds", "Seconds between consecutive commits on one view",
-                                 list(STEP_BUCKETS), job),
+                step_s=Histogram(
+                    "elastic_step_seconds", "Seconds between consecutive commits on one view", list(STEP_BUCKETS), job
+                ),
                 slices=Gauge("elastic_slices_active", "Slices the job trains on", job),
                 epoch=Gauge("elastic_epoch", "Epoch of the membership view the job trains on", job),
                 failures=Counter("elastic_failures", "Slice-loss errors or hung steps caught", job),
                 recoveries=Counter("elastic_recoveries", "Recoveries from a caught failure", job),
                 regroups=Counter("elastic_regroups", "Live moves at a step boundary", ("job", "kind")),
-                recovery_s=Histogram("elastic_recovery_seconds", "Failure caught -> first step committed",
-                                     list(RECOVERY_BUCKETS), job),
-                phase_s=Histogram("elastic_recovery_phase_seconds", "A recovery's phases",
-                                  list(RECOVERY_BUCKETS), ("job", "phase")),
+                recovery_s=Histogram(
+                    "elastic_recovery_seconds", "Failure caught -> first step committed", list(RECOVERY_BUCKETS), job
+                ),
+                phase_s=Histogram(
+                    "elastic_recovery_phase_seconds", "A recovery's phases", list(RECOVERY_BUCKETS), ("job", "phase")
+                ),
                 blocking=Counter("elastic_snapshot_blocking_seconds", "Seconds the loop was held by snapshots", job),
                 taken=Counter("elastic_snapshots_taken", "Snapshots completed", job),
                 held=Gauge("elastic_snapshot_held_bytes", "Host bytes the snapshot copies hold", job),
@@ -107,14 +111,20 @@ def _never_raises(method: Callable[..., None]) -> Callable[..., None]:
             if not self._failed:
                 self._failed = True
                 _log.warning("metrics_update_failed", job=self.job, error=repr(err))
+
     return guarded
 
 
 class JobMetrics:
     """One job's metrics. ``snapshot_stats``: the snapshotter's ``stats()`` (None: no snapshot metrics)."""
 
-    def __init__(self, job: str, *, snapshot_stats: Callable[[], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        job: str,
+        *,
+        snapshot_stats: Callable[[], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.job = job
         try:
             self._m = instruments()

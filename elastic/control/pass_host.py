@@ -7,6 +7,7 @@ at a step boundary where the view changed, the state is snapshotted there (unles
 just requested) and the pass ends with :class:`~elastic.api.run.Regroup`. Where the snapshot goes, what a
 commit is recorded in, and how the view is known are the mode's (the callables it is built with).
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,10 +43,17 @@ class PassHost:
     batch, metrics)`` records a commit; ``before(step)`` runs as each step starts; ``record(fn, args, mesh)``
     notes a jitted call for standby compiles. ``snapshot_soon``: snapshot at the first commit."""
 
-    def __init__(self, config: ElasticConfig, *, save: Save, changed: Callable[[int], View | None],
-                 on_commit: Callable[[Run, int, Any, int, dict[str, Any]], None],
-                 before: Callable[[int], None], record: Callable[[Callable[..., Any], tuple[Any, ...], Mesh], None],
-                 snapshot_soon: bool = False) -> None:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        save: Save,
+        changed: Callable[[int], View | None],
+        on_commit: Callable[[Run, int, Any, int, dict[str, Any]], None],
+        before: Callable[[int], None],
+        record: Callable[[Callable[..., Any], tuple[Any, ...], Mesh], None],
+        snapshot_soon: bool = False,
+    ) -> None:
         self.config = config
         self.num_steps = config.num_steps
         self.seed = config.seed

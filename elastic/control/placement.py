@@ -13,6 +13,7 @@ initialised), runs one pass of the user's loop, probes slices after a failure, a
 Everything it learns that the controller accounts for comes back as data (:class:`Placed`, :class:`PassEnd`)
 or through the :class:`PlacementHost` the controller gives it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

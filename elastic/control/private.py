@@ -9,6 +9,7 @@ A directory that exists already must be a real directory owned by this user; it 
 (a link, another user's: a planted path) is refused with a :class:`~elastic.errors.ConfigError`, or, for the
 temporary base, replaced by a fresh private one.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise ConfigError(f"{path} is not a directory of this user (uid {os.getuid()}): remove it or point "
-                          "ELASTIC_HOME elsewhere")
+        raise ConfigError(
+            f"{path} is not a directory of this user (uid {os.getuid()}): remove it or point ELASTIC_HOME elsewhere"
+        )
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path

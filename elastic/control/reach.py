@@ -5,6 +5,7 @@ printing a line per attempt, and ends in a chained traceback; against an address
 about 40 s. :func:`probe` asks the cluster's GCS once, within ``timeout_s``, with Ray's native warnings kept off
 stderr (unless verbose), and raises a :class:`~elastic.errors.ClusterError` that says what to set.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,10 @@ __all__ = ["PROBE_TIMEOUT_S", "probe"]
 
 PROBE_TIMEOUT_S = float(os.environ.get("ELASTIC_CONNECT_TIMEOUT_S", "3"))
 
-_TOKEN_HINT = ("set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN), "
-               "as for `ray job submit`")
+_TOKEN_HINT = (
+    "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> (or RAY_AUTH_TOKEN), "
+    "as for `ray job submit`"
+)
 
 
 @contextlib.contextmanager
@@ -59,8 +62,10 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         worker.start()
         worker.join(timeout_s)
     if not outcome:
-        raise ClusterError(f"no Ray cluster answered at {address} within {timeout_s:g} s: is it running, and is "
-                           "RAY_ADDRESS its GCS address (host:port)?")
+        raise ClusterError(
+            f"no Ray cluster answered at {address} within {timeout_s:g} s: is it running, and is "
+            "RAY_ADDRESS its GCS address (host:port)?"
+        )
     err = outcome[0]
     if err is None:
         return

@@ -14,6 +14,7 @@ A process belongs to the session when ``D`` is in its command line, when it is a
 descends from such a process (remembered while alive, so one orphaned by a raylet's death is still
 found). Only the reaper's own user's processes are looked at; it never ends itself nor the client.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,13 @@ def _holds_file_under(pid: int, naming: re.Pattern[str]) -> bool:
     return False
 
 
-def session_processes(session_dir: str, known: dict[int, psutil.Process] | None = None, *,
-                      open_files: bool = True, spare: int | None = None) -> dict[int, psutil.Process]:
+def session_processes(
+    session_dir: str,
+    known: dict[int, psutil.Process] | None = None,
+    *,
+    open_files: bool = True,
+    spare: int | None = None,
+) -> dict[int, psutil.Process]:
     """The live processes of the Ray session in ``session_dir`` (see the module's docstring), by pid; never
     this process nor ``spare`` (the client: a driver holds files under the session dir open too)."""
     naming = _naming(session_dir)
@@ -66,8 +72,9 @@ def session_processes(session_dir: str, known: dict[int, psutil.Process] | None 
             continue
         children.setdefault(info["ppid"], []).append(proc)
         cmdline = " ".join(info["cmdline"] or [])
-        if naming.search(cmdline) or (open_files and cmdline.startswith("ray::")
-                                      and _holds_file_under(info["pid"], naming)):
+        if naming.search(cmdline) or (
+            open_files and cmdline.startswith("ray::") and _holds_file_under(info["pid"], naming)
+        ):
             found.setdefault(info["pid"], proc)
     stack = list(found)
     while stack:  # and their descendants
@@ -78,8 +85,9 @@ def session_processes(session_dir: str, known: dict[int, psutil.Process] | None 
     return {pid: p for pid, p in found.items() if _alive(p)}
 
 
-def reap(session_dir: str, known: dict[int, psutil.Process] | None = None, rounds: int = 3,
-         spare: int | None = None) -> int:
+def reap(
+    session_dir: str, known: dict[int, psutil.Process] | None = None, rounds: int = 3, spare: int | None = None
+) -> int:
     """End every process of the session (SIGTERM, SIGKILL after ``GRACE_S``); return how many were found."""
     total = 0
     for _ in range(rounds):  # again: a raylet may start a worker while it is being ended

@@ -1,4 +1,5 @@
 """What a job did: the commit ledger (exactly-once accounting), recovery figures and a timeline."""
+
 from __future__ import annotations
 
 import time

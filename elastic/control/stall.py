@@ -6,6 +6,7 @@ deadlock) blocks inside code that Python cannot interrupt. This thread notices w
 progress (no step started or committed) for ``after_s`` and logs, once per stall, where the loop's thread
 is (its stack), and marks the timeline; the job does not recover from it by itself.
 """
+
 from __future__ import annotations
 
 import sys
@@ -67,7 +68,12 @@ class StallReporter:
             frame = sys._current_frames().get(self._loop_thread)  # noqa: SLF001 - the stdlib's way to see a thread
             where = "".join(traceback.format_stack(frame, limit=8)) if frame is not None else "unknown"
             self._timeline.add("stalled", step=step, seconds=round(stalled_s, 1))
-            self._log.error("loop_stalled", step=step, seconds=round(stalled_s, 1), where=where,
-                            hint="no step started or committed: 'where' is the loop's thread (run.commit's wait is "
-                                 "bounded by step_timeout_s; a data loader, a host sync such as float(loss) on a "
-                                 "hung step, or a deadlock elsewhere is not)")
+            self._log.error(
+                "loop_stalled",
+                step=step,
+                seconds=round(stalled_s, 1),
+                where=where,
+                hint="no step started or committed: 'where' is the loop's thread (run.commit's wait is "
+                "bounded by step_timeout_s; a data loader, a host sync such as float(loss) on a "
+                "hung step, or a deadlock elsewhere is not)",
+            )

@@ -9,6 +9,7 @@
 
 A restore tries them in that order and says which one it used.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -18,11 +19,20 @@ import jax
 
 from elastic import runtime
 from elastic.config import ElasticConfig
+from elastic.control.report import Report
 from elastic.errors import ElasticError
 from elastic.log import get_logger
-from elastic.control.report import Report
-from elastic.snapshot import (NoSnapshotError, Restored, SnapshotConfig, SnapshotCorruptError, SnapshotFailedError,
-                      SnapshotInfo, Snapshotter, SnapshotUnavailableError, restore_image)
+from elastic.snapshot import (
+    NoSnapshotError,
+    Restored,
+    SnapshotConfig,
+    SnapshotCorruptError,
+    SnapshotFailedError,
+    SnapshotInfo,
+    Snapshotter,
+    SnapshotUnavailableError,
+    restore_image,
+)
 
 __all__ = ["TierSet"]
 
@@ -35,8 +45,9 @@ class TierSet:
         tiers = config.tiers
         slice_by_id = {d.id: s.index for s in topology.slices for d in s.devices}
         self._snapshots = Snapshotter(
-            SnapshotConfig(keep=config.keep_snapshots, copies=min(tiers.copies, config.num_slices),
-                           on_busy=tiers.on_busy),
+            SnapshotConfig(
+                keep=config.keep_snapshots, copies=min(tiers.copies, config.num_slices), on_busy=tiers.on_busy
+            ),
             slice_of=lambda d: slice_by_id[d.id],
             guard=runtime.simulated.check_devices if config.simulated else None,
             on_complete=self._completed,
@@ -59,19 +70,23 @@ class TierSet:
         tiers = self._config.tiers
         if tiers.keeper_every and self._keepers is None:
             from elastic.snapshot.keeper import KeeperTier
-
             from elastic.supervision.credential import derive
 
             self._keepers = KeeperTier(
-                self._config.namespace, num_keepers=tiers.keepers, keep=1,
+                self._config.namespace,
+                num_keepers=tiers.keepers,
+                keep=1,
                 credential=None if token is None else derive(token, "keeper"),
-                image_key=None if token is None else derive(token, "image"), on_refused=self._refused)
+                image_key=None if token is None else derive(token, "image"),
+                on_refused=self._refused,
+            )
             self._keepers.start()
         if tiers.persistent_dir is not None and self._persistent is None:
             from elastic.snapshot.persistent import PersistentTier
 
-            self._persistent = PersistentTier(tiers.persistent_dir, every=tiers.persistent_every,
-                                              job=self._config.job_name)
+            self._persistent = PersistentTier(
+                tiers.persistent_dir, every=tiers.persistent_every, job=self._config.job_name
+            )
 
     def _refused(self, keeper: str, step: int, why: str) -> None:
         self._log.warning("keeper_image_refused", keeper=keeper, step=step, why=why)
@@ -136,7 +151,8 @@ class TierSet:
                 return Restored(step=image.step, generation=image.generation, state=state, meta=meta, tier="keeper")
         if self._persistent is not None and self._persistent.latest_step() is not None:
             target = jax.tree_util.tree_map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract, shardings)
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract, shardings
+            )
             step, state, meta = self._persistent.load(target)
             return Restored(step=step, generation=step, state=state, meta=meta, tier="persistent")
         if held_in_memory:

@@ -13,6 +13,7 @@ as a sequence of states::
     PROBING --Probed(none dead, retries left)--> RESTORING (same view; past the retries: GAVE_UP)
     any view that gave up --> GAVE_UP
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -21,8 +22,26 @@ from enum import Enum
 from elastic.supervision.membership import View
 
 __all__ = [
-    "Abort", "Action", "AwaitView", "Boundary", "Event", "Failed", "Finish", "GiveUp", "LoopReturned", "Machine",
-    "NoteFailure", "Noted", "Prepare", "Probe", "Probed", "Ready", "RunPass", "Started", "State", "ViewSeen",
+    "Abort",
+    "Action",
+    "AwaitView",
+    "Boundary",
+    "Event",
+    "Failed",
+    "Finish",
+    "GiveUp",
+    "LoopReturned",
+    "Machine",
+    "NoteFailure",
+    "Noted",
+    "Prepare",
+    "Probe",
+    "Probed",
+    "Ready",
+    "RunPass",
+    "Started",
+    "State",
+    "ViewSeen",
     "transition",
 ]
 
@@ -175,8 +194,10 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
             return replace(machine, state=State.FINISHED), Finish()
         last = "none" if event.last_committed is None else str(event.last_committed)
         return replace(machine, state=State.FINISHED), Abort(
-            "early_return", f"the loop returned before committing step {event.last_step} (last committed: "
-                            f"{last}): iterate run.steps to the end")
+            "early_return",
+            f"the loop returned before committing step {event.last_step} (last committed: "
+            f"{last}): iterate run.steps to the end",
+        )
     if isinstance(event, Boundary):
         if s is not State.RUNNING:
             raise _bad(machine, event)
@@ -205,7 +226,8 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
             what = "hung steps" if event.hung else "slice-loss errors"
             last = f"; the last: {event.cause}" if event.cause else ""
             return replace(machine, state=State.GAVE_UP), Abort(
-                "persistent", f"{what} persist with every slice healthy after {event.attempt - 1} retries{last}")
+                "persistent", f"{what} persist with every slice healthy after {event.attempt - 1} retries{last}"
+            )
         return replace(machine, state=State.RESTORING), Prepare(machine.view, live=False)
     if isinstance(event, ViewSeen):
         if s is not State.AWAITING_VIEW:

@@ -9,6 +9,7 @@ answered for ``lost_after_s`` is gone for good: from then on ``view`` and ``wait
 :class:`~elastic.errors.SupervisorLostError` (a waiter already blocked wakes at once), so the job ends with a
 clear error instead of waiting out ``recovery_timeout_s``, or training on unsupervised.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,9 @@ LOST_AFTER_S = supervisor_lost_after_s(ElasticConfig())  # for the default confi
 
 
 class ViewWatcher:
-    def __init__(self, supervisor: Any, initial: View, *, job: str, poll_s: float = 2.0,
-                 lost_after_s: float = LOST_AFTER_S) -> None:
+    def __init__(
+        self, supervisor: Any, initial: View, *, job: str, poll_s: float = 2.0, lost_after_s: float = LOST_AFTER_S
+    ) -> None:
         self._supervisor = supervisor
         self._view = initial
         self._job = job
@@ -92,9 +94,11 @@ class ViewWatcher:
                     self._cond.notify_all()
 
     def _give_up(self, err: Exception, silent: float) -> None:
-        reason = (f"the supervisor of job {self._job!r} is gone: no answer for {silent:.1f}s (more than "
-                  f"{self._lost_after_s:.1f}s; last error: {type(err).__name__}: {err}); without it no "
-                  "failure can be detected or recovered, so the job ends here")
+        reason = (
+            f"the supervisor of job {self._job!r} is gone: no answer for {silent:.1f}s (more than "
+            f"{self._lost_after_s:.1f}s; last error: {type(err).__name__}: {err}); without it no "
+            "failure can be detected or recovered, so the job ends here"
+        )
         self._log.error("supervisor_lost", silent_s=round(silent, 1), error=repr(err), epoch=self._view.epoch)
         with self._cond:
             self._lost = reason

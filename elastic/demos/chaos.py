@@ -3,13 +3,14 @@ plain optax loop wrapped as docs/getting-started.md shows, sized to run a schedu
 
 A target is a zero-argument function returning ``ElasticJob``'s keyword arguments plus ``loop``.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
+from elastic.api.run import Run
 from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, train_step
-from elastic.api.run import Run
 
 __all__ = ["demo_target", "process_target"]
 
@@ -26,9 +27,17 @@ def _loop(run: Run) -> Any:
 def demo_target() -> dict[str, Any]:
     """4 simulated slices of 2 devices, 40 steps, a snapshot every 5 steps, each also in the keepers (so two
     slices lost at once recover), at least 2 slices, a quick heartbeat timeout."""
-    config = ElasticConfig(job_name="chaos-demo", num_slices=4, devices_per_slice=2, num_steps=40, snapshot_every=5,
-                           heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5,
-                           policy=Policy(min_slices=2, repair_timeout_s=3.0), tiers=Tiers(keeper_every=1, keepers=1))
+    config = ElasticConfig(
+        job_name="chaos-demo",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=40,
+        snapshot_every=5,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=Policy(min_slices=2, repair_timeout_s=3.0),
+        tiers=Tiers(keeper_every=1, keepers=1),
+    )
     return {"config": config, "init_fn": init_state, "loop": _loop}
 
 
@@ -37,7 +46,15 @@ def process_target() -> dict[str, Any]:
     whose faults are real (SIGKILL, SIGSTOP)."""
     target = demo_target()
     target["config"] = ElasticConfig(
-        job_name="chaos-processes", num_slices=4, devices_per_slice=2, num_steps=40, snapshot_every=5,
-        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, policy=Policy(min_slices=2, repair_timeout_s=3.0),
-        tiers=Tiers(keeper_every=1, keepers=1), processes=Processes(settle_timeout_s=5.0))
+        job_name="chaos-processes",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=40,
+        snapshot_every=5,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=Policy(min_slices=2, repair_timeout_s=3.0),
+        tiers=Tiers(keeper_every=1, keepers=1),
+        processes=Processes(settle_timeout_s=5.0),
+    )
     return target

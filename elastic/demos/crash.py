@@ -11,6 +11,7 @@ them through the driver): the new driver starts new ones, which restore their re
     python -m elastic.demos.crash --client --job-name demo-crash --out result.json [--kill-client-at 75]
 runs one client (the parent's child role).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,18 @@ CLIENT_TIMEOUT_S = 600
 
 
 def _client_cmd(spec: Any, out: str, *, kill_at: int | None, progress: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "elastic.demos.crash", "--client", "--job-name", JOB, "--out", out,
-           "--spec", json.dumps(asdict(spec))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic.demos.crash",
+        "--client",
+        "--job-name",
+        JOB,
+        "--out",
+        out,
+        "--spec",
+        json.dumps(asdict(spec)),
+    ]
     if isinstance(spec, ProcessDemoSpec):
         cmd.append("--processes")
     if kill_at is not None:
@@ -47,8 +58,9 @@ def _client_cmd(spec: Any, out: str, *, kill_at: int | None, progress: bool) -> 
     return cmd
 
 
-def run_client_crash(spec: DemoSpec | ProcessDemoSpec, *, kill_at: int, verify: bool = False,
-                     progress: bool = True) -> dict[str, Any]:
+def run_client_crash(
+    spec: DemoSpec | ProcessDemoSpec, *, kill_at: int, verify: bool = False, progress: bool = True
+) -> dict[str, Any]:
     """Crash a client at step ``kill_at``, resume with a new one; the JSON-ready summary of the second. A
     :class:`~elastic.demos.processes.ProcessDemoSpec` runs the multi-process demo (a worker process per slice)."""
     import ray
@@ -57,21 +69,37 @@ def run_client_crash(spec: DemoSpec | ProcessDemoSpec, *, kill_at: int, verify: 
 
     if not 0 < kill_at < spec.steps:
         raise ElasticError(f"--kill-client-at must be between 1 and {spec.steps - 1}, got {kill_at}")
-    spec = replace(spec, keeper_every=1, job_name=JOB) if isinstance(spec, ProcessDemoSpec) else \
-        replace(spec, keeper_every=1)  # every snapshot reaches the keepers: the loss is bounded by snapshot_every
+    spec = (
+        replace(spec, keeper_every=1, job_name=JOB)
+        if isinstance(spec, ProcessDemoSpec)
+        else replace(spec, keeper_every=1)
+    )  # every snapshot reaches the keepers: the loss is bounded by snapshot_every
     connect()  # this process keeps the cluster (and so the keepers) alive across both clients
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={spec.num_slices * spec.devices_per_slice}",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={spec.num_slices * spec.devices_per_slice}",
+        "JAX_PLATFORMS": "cpu",
+    }
     with tempfile.TemporaryDirectory(prefix="elastic-crash-demo-") as tmp:
-        first = subprocess.run(_client_cmd(spec, os.path.join(tmp, "first.json"), kill_at=kill_at, progress=progress),
-                               env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=CLIENT_TIMEOUT_S)
+        first = subprocess.run(
+            _client_cmd(spec, os.path.join(tmp, "first.json"), kill_at=kill_at, progress=progress),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr,
+            timeout=CLIENT_TIMEOUT_S,
+        )
         if first.returncode != -signal.SIGKILL:
             raise ElasticError(f"the first client should have been SIGKILLed, it exited with {first.returncode}")
         out_path = os.path.join(tmp, "second.json")
         # The clients' stdout (Ray's messages among it) goes to stderr: stdout holds this command's result only.
-        second = subprocess.run(_client_cmd(spec, out_path, kill_at=None, progress=progress), env=env,
-                                stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=CLIENT_TIMEOUT_S)
+        second = subprocess.run(
+            _client_cmd(spec, out_path, kill_at=None, progress=progress),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr,
+            timeout=CLIENT_TIMEOUT_S,
+        )
         if second.returncode != 0:
             raise ElasticError(f"the second client failed with exit code {second.returncode}")
         with open(out_path, encoding="utf-8") as f:
@@ -102,14 +130,18 @@ def _client(args: argparse.Namespace) -> int:
         from elastic.demos.processes import loop, process_config
 
         mp = ProcessDemoSpec(**json.loads(args.spec))
-        with Progress(mp.steps, enabled=not args.no_progress, stream=sys.stderr,
-                      label="driver 1" if faults else "driver 2") as bar, \
-                ElasticJob(process_config(mp), init_fn=init_state, faults=faults, on_step=bar.on_step) as job:
+        with (
+            Progress(
+                mp.steps, enabled=not args.no_progress, stream=sys.stderr, label="driver 1" if faults else "driver 2"
+            ) as bar,
+            ElasticJob(process_config(mp), init_fn=init_state, faults=faults, on_step=bar.on_step) as job,
+        ):
             result = job.run(loop)
     else:
         spec = DemoSpec(**json.loads(args.spec))
-        with Progress(spec.steps, enabled=not args.no_progress, stream=sys.stderr,
-                      label="client 1" if faults else "client 2") as bar:
+        with Progress(
+            spec.steps, enabled=not args.no_progress, stream=sys.stderr, label="client 1" if faults else "client 2"
+        ) as bar:
             result = make_trainer(spec, job_name=args.job_name, faults=faults, on_step=bar.on_step).fit()
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result.report.to_dict(), f)

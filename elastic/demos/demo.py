@@ -5,6 +5,7 @@ failure-free run. The demo kills a slice mid-run, shrinks to the survivors, brin
 grows again, then reports what happened; with ``verify`` it also runs the same job without failures
 and compares the final parameters.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic.config import ElasticConfig, Policy, Tiers
-from elastic.chaos.faults import Faults
 from elastic.api.trainer import Trainer, optax_step
+from elastic.chaos.faults import Faults
+from elastic.config import ElasticConfig, Policy, Tiers
 
 __all__ = ["DemoSpec", "init_params", "loss_fn", "batch", "run_demo", "max_abs_diff"]
 
@@ -90,14 +91,22 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 def make_trainer(spec: DemoSpec, *, job_name: str, faults: Faults | None, on_step: Any = None) -> Trainer:
     config = ElasticConfig(
-        job_name=job_name, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
-        num_steps=spec.steps, snapshot_every=spec.snapshot_every, seed=spec.seed,
+        job_name=job_name,
+        num_slices=spec.num_slices,
+        devices_per_slice=spec.devices_per_slice,
+        num_steps=spec.steps,
+        snapshot_every=spec.snapshot_every,
+        seed=spec.seed,
         policy=Policy(min_slices=max(1, spec.num_slices - 1), repair_timeout_s=60.0),
         tiers=Tiers(keeper_every=spec.keeper_every),
     )
     return Trainer(
-        init_fn=init_params, step_fn=optax_step(loss_fn, optax.adam(1e-2)),
-        batch_fn=lambda step: batch(step, spec.global_batch, spec.seed), config=config, faults=faults, on_step=on_step,
+        init_fn=init_params,
+        step_fn=optax_step(loss_fn, optax.adam(1e-2)),
+        batch_fn=lambda step: batch(step, spec.global_batch, spec.seed),
+        config=config,
+        faults=faults,
+        on_step=on_step,
     )
 
 

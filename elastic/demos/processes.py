@@ -10,6 +10,7 @@ process for the lost slice is started at once (``Processes.replace_lost``) and j
 compared with a reference: the same model and batches trained by a plain jax + optax loop (no library) in the
 driver process over its CPU devices, every step.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,10 +58,16 @@ def loop(run: Run) -> Any:
 
 def process_config(spec: ProcessDemoSpec, **overrides: Any) -> ElasticConfig:
     base: dict[str, Any] = dict(
-        job_name=spec.job_name, num_slices=spec.num_slices, devices_per_slice=spec.devices_per_slice,
-        num_steps=spec.steps, snapshot_every=spec.snapshot_every, seed=spec.seed,
+        job_name=spec.job_name,
+        num_slices=spec.num_slices,
+        devices_per_slice=spec.devices_per_slice,
+        num_steps=spec.steps,
+        snapshot_every=spec.snapshot_every,
+        seed=spec.seed,
         policy=Policy(min_slices=max(1, spec.num_slices // 2), repair_timeout_s=60.0),
-        tiers=Tiers(keeper_every=spec.keeper_every), processes=Processes())
+        tiers=Tiers(keeper_every=spec.keeper_every),
+        processes=Processes(),
+    )
     base.update(overrides)
     return ElasticConfig(**base)
 
@@ -90,8 +97,9 @@ def reference_params(spec: ProcessDemoSpec, devices: int | None = None) -> tuple
     return jax.device_get(state["params"]), float(loss)
 
 
-def run_process_demo(spec: ProcessDemoSpec, *, verify: bool = False, config: ElasticConfig | None = None,
-                     faults: Faults | None = None) -> dict[str, Any]:
+def run_process_demo(
+    spec: ProcessDemoSpec, *, verify: bool = False, config: ElasticConfig | None = None, faults: Faults | None = None
+) -> dict[str, Any]:
     """Run the demo in worker processes of the connected Ray cluster; the JSON-ready report."""
     start = time.monotonic()
     job = ElasticJob(config or process_config(spec), init_fn=init_state, faults=faults or faults_of(spec))
@@ -101,8 +109,10 @@ def run_process_demo(spec: ProcessDemoSpec, *, verify: bool = False, config: Ela
     report["job_seconds"] = round(time.monotonic() - start, 2)
     if verify:
         params, final_loss = reference_params(spec)
-        report["reference"] = (f"plain jax + optax in the driver process, {spec.num_slices * spec.devices_per_slice} "
-                               "CPU devices, no failure, same batches")
+        report["reference"] = (
+            f"plain jax + optax in the driver process, {spec.num_slices * spec.devices_per_slice} "
+            "CPU devices, no failure, same batches"
+        )
         report["reference_final_loss"] = final_loss
         report["max_abs_param_diff_vs_reference"] = max_abs_diff(result.state["params"], params)
     return report

@@ -11,6 +11,7 @@ trains with a plain Linen step written out by hand, without the library, on the 
 steps (:mod:`elastic.examples.reference`), and compares every leaf of the state. Prints one JSON object
 on stdout (exit 1 if --verify finds a difference).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,9 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import elastic  # noqa: E402
+from elastic.api.flax_linen import LinenAdapter, TrainState  # noqa: E402
 from elastic.examples.flax_nnx import BATCH, CLASSES, batch, max_abs_state_diff  # noqa: E402
 from elastic.examples.reference import Placements, run_reference  # noqa: E402
-from elastic.api.flax_linen import LinenAdapter, TrainState  # noqa: E402
 
 __all__ = ["CNN", "loss_fn", "make_adapter", "make_loop", "plain_train_step", "run_example", "main"]
 
@@ -59,8 +60,14 @@ def loss_fn(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, dict[str, 
 # ---- elastic ---------------------------------------------------------------------------------
 def make_adapter() -> LinenAdapter:
     sample = jax.ShapeDtypeStruct((1, 28, 28, 1), jnp.float32)  # the input's shape, for module.init
-    return LinenAdapter(module=CNN(), tx=optax.adam(3e-3), sample_input=sample,
-                        init_kwargs={"train": False}, train_kwargs={"train": True}, axis_rules=[("model", "local")])
+    return LinenAdapter(
+        module=CNN(),
+        tx=optax.adam(3e-3),
+        sample_input=sample,
+        init_kwargs={"train": False},
+        train_kwargs={"train": True},
+        axis_rules=[("model", "local")],
+    )
 
 
 def make_loop(adapter: LinenAdapter) -> Any:
@@ -83,8 +90,13 @@ def plain_train_step(state: TrainState, images: jax.Array, labels: jax.Array) ->
     dropout_key = jax.random.fold_in(step_key, 0)  # the adapter's keys: stream i of rng_streams gets fold_in(.., i)
 
     def compute(params: Any) -> tuple[jax.Array, Any]:
-        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, images, train=True,
-                                         rngs={"dropout": dropout_key}, mutable=["batch_stats"])
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            images,
+            train=True,
+            rngs={"dropout": dropout_key},
+            mutable=["batch_stats"],
+        )
         return loss_fn(logits, labels)[0], updates
 
     (_, updates), grads = jax.value_and_grad(compute, has_aux=True)(state.params)
@@ -93,21 +105,34 @@ def plain_train_step(state: TrainState, images: jax.Array, labels: jax.Array) ->
 
 def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False) -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-Linen reference); the JSON-ready summary."""
-    config = elastic.ElasticConfig(job_name="flax-linen", num_slices=4, devices_per_slice=2, num_steps=steps,
-                                   snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0))
+    config = elastic.ElasticConfig(
+        job_name="flax-linen",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=steps,
+        snapshot_every=5,
+        global_batch_size=BATCH,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
+    )
     faults = elastic.Faults().kill_slice(1, at_step=kill_at).revive_slice(1, at_step=revive_at)
     adapter, placements = make_adapter(), Placements()
-    job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults,
-                             on_step=placements)
+    job = elastic.ElasticJob(
+        config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults, on_step=placements
+    )
     with job:
         result = job.run(make_loop(adapter))
     out = result.report.to_dict()
     images, labels = batch(0, size=240, seed=99)
     logits = jax.jit(lambda v, x: CNN().apply(v, x, train=False))(adapter.variables(result.state), images)
-    out.update(global_batch=BATCH, slice_moves=placements.moves(),
-               eval_accuracy=float((logits.argmax(axis=1) == labels).mean()))
+    out.update(
+        global_batch=BATCH,
+        slice_moves=placements.moves(),
+        eval_accuracy=float((logits.argmax(axis=1) == labels).mean()),
+    )
     if verify:
+
         def reference_step(state: TrainState, step: int, mesh: Mesh) -> TrainState:  # the plain loop: no elastic
             images, labels = jax.device_put(batch(step), NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
             return plain_train_step(state, images, labels)

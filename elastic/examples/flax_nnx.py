@@ -12,6 +12,7 @@ MNIST-shaped images (28x28x1, 10 classes) addressed by step, 48 per batch (split
 same steps (:mod:`elastic.examples.reference`) and compares every leaf of the state. Prints one JSON
 object on stdout (exit 1 if --verify finds a difference).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,11 +34,20 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.examples.reference import Placements, run_reference, run_reference_processes  # noqa: E402
 from elastic.api.flax_nnx import NnxAdapter  # noqa: E402
+from elastic.examples.reference import Placements, run_reference, run_reference_processes  # noqa: E402
 
-__all__ = ["CNN", "batch", "train_step", "make_adapter", "make_loop", "make_reference_step", "max_abs_state_diff",
-           "run_example", "main"]
+__all__ = [
+    "CNN",
+    "batch",
+    "train_step",
+    "make_adapter",
+    "make_loop",
+    "make_reference_step",
+    "max_abs_state_diff",
+    "run_example",
+    "main",
+]
 
 BATCH, CLASSES = 48, 10
 
@@ -151,35 +161,61 @@ def chaos_target() -> dict[str, Any]:
     """The tutorial's CNN (BatchNorm, Dropout, adamw) as a chaos target: ``elastic chaos --target
     elastic.examples.flax_nnx:chaos_target``. Each schedule's equivalence reference replays the run's own device
     schedule (a change of device count changes this model's floats; the replay shows nothing else did)."""
-    config = elastic.ElasticConfig(job_name="flax-nnx-chaos", num_slices=4, devices_per_slice=2, num_steps=30,
-                                   snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=3.0),
-                                   tiers=elastic.Tiers(keeper_every=1, keepers=1))
+    config = elastic.ElasticConfig(
+        job_name="flax-nnx-chaos",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=30,
+        snapshot_every=5,
+        global_batch_size=BATCH,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=elastic.Policy(min_slices=2, repair_timeout_s=3.0),
+        tiers=elastic.Tiers(keeper_every=1, keepers=1),
+    )
     adapter = make_adapter()
-    return {"config": config, "init_fn": adapter.init_fn, "shardings_fn": adapter.shardings_fn,
-            "loop": make_loop(adapter)}
+    return {
+        "config": config,
+        "init_fn": adapter.init_fn,
+        "shardings_fn": adapter.shardings_fn,
+        "loop": make_loop(adapter),
+    }
 
 
-def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False,
-                mode: str = "single-process") -> dict[str, Any]:
+def run_example(
+    *, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False, mode: str = "single-process"
+) -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary. ``mode``:
     ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies)."""
     processes = elastic.Processes() if mode == "multi-process" else None
-    config = elastic.ElasticConfig(job_name="flax-nnx", num_slices=4, devices_per_slice=2, num_steps=steps,
-                                   snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
-                                   processes=processes)
+    config = elastic.ElasticConfig(
+        job_name="flax-nnx",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=steps,
+        snapshot_every=5,
+        global_batch_size=BATCH,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
+        processes=processes,
+    )
     faults = elastic.Faults().kill_slice(1, at_step=kill_at).revive_slice(1, at_step=revive_at)
     adapter, placements = make_adapter(), Placements()
-    job = elastic.ElasticJob(config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults,
-                             on_step=placements)
+    job = elastic.ElasticJob(
+        config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults, on_step=placements
+    )
     with job:
         result = job.run(make_loop(adapter))
     out = result.report.to_dict()
     model = adapter.module(result.state)
     assert isinstance(model, CNN)
-    out.update(global_batch=BATCH, slice_moves=placements.moves(), eval_accuracy=eval_accuracy(model),
-               dropout_rng_count=int(model.dropout1.rngs.count[...]))
+    out.update(
+        global_batch=BATCH,
+        slice_moves=placements.moves(),
+        eval_accuracy=eval_accuracy(model),
+        dropout_rng_count=int(model.dropout1.rngs.count[...]),
+    )
     if verify and mode == "multi-process":
         reference = run_reference_processes(job, placements, make_reference_step())
         out["reference"] = "plain NNX in plain processes joined by jax.distributed, replaying the run's slices"
@@ -197,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=13)
     parser.add_argument("--revive-at", type=int, default=27)
-    parser.add_argument("--mode", choices=("single-process", "multi-process"), default="single-process",
-                        help="multi-process: each slice a worker process (jax.distributed); the reference runs here")
+    parser.add_argument(
+        "--mode",
+        choices=("single-process", "multi-process"),
+        default="single-process",
+        help="multi-process: each slice a worker process (jax.distributed); the reference runs here",
+    )
     args = parser.parse_args(argv)
     sys.stdout.flush()
     result = os.fdopen(os.dup(1), "w")  # stdout holds the result only: anything else on fd 1 goes to stderr
@@ -206,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.log import configure_logging
 
     configure_logging(logging.ERROR)
-    out = run_example(steps=args.steps, kill_at=args.kill_at, revive_at=args.revive_at, verify=args.verify,
-                      mode=args.mode)
+    out = run_example(
+        steps=args.steps, kill_at=args.kill_at, revive_at=args.revive_at, verify=args.verify, mode=args.mode
+    )
     if args.json:
         print(json.dumps(out), file=result, flush=True)
     else:

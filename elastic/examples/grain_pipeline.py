@@ -11,6 +11,7 @@ compares: the parameters, and the example ids the committed steps consumed again
 yields (``examples_skipped``, ``examples_repeated``). Prints one JSON object on stdout (exit 1 if --verify
 finds a difference).
 """
+
 from __future__ import annotations
 
 import os
@@ -63,11 +64,16 @@ class Examples:
 
 def pipeline(seed: int = 7) -> grain.DataLoader:
     """Shuffled (a new order each epoch), endless, batched: the same sequence of batches from every fresh iterator."""
-    sampler = grain.samplers.IndexSampler(num_records=NUM_EXAMPLES, shard_options=grain.sharding.NoSharding(),
-                                          shuffle=True, num_epochs=None, seed=seed)
-    return grain.DataLoader(data_source=Examples(), sampler=sampler, worker_count=0,
-                            operations=[grain.transforms.Batch(BATCH, drop_remainder=True)],
-                            read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=2 * BATCH))
+    sampler = grain.samplers.IndexSampler(
+        num_records=NUM_EXAMPLES, shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=None, seed=seed
+    )
+    return grain.DataLoader(
+        data_source=Examples(),
+        sampler=sampler,
+        worker_count=0,
+        operations=[grain.transforms.Batch(BATCH, drop_remainder=True)],
+        read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=2 * BATCH),
+    )
 
 
 optimizer = optax.adam(1e-2)
@@ -124,17 +130,29 @@ def _id_counts(ids: dict[int, list[int]]) -> Counter[int]:
 
 def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False) -> dict[str, Any]:
     """Run the job (and with ``verify`` its reference); the JSON-ready summary."""
-    config = elastic.ElasticConfig(job_name="grain-pipeline", num_slices=4, devices_per_slice=2, num_steps=steps,
-                                   snapshot_every=5, global_batch_size=BATCH, heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=1.5, policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0))
+    config = elastic.ElasticConfig(
+        job_name="grain-pipeline",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=steps,
+        snapshot_every=5,
+        global_batch_size=BATCH,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
+    )
     faults = elastic.Faults().kill_slice(1, at_step=kill_at).revive_slice(1, at_step=revive_at)
     consumed = Consumed()
     job = elastic.ElasticJob(config, init_fn=init_state, faults=faults, on_step=consumed)
     with job:
         result = job.run(make_loop(pipeline(), consumed))
     out = result.report.to_dict()
-    out.update(examples=NUM_EXAMPLES, global_batch=BATCH, epochs_read=round(steps * BATCH / NUM_EXAMPLES, 2),
-               slice_moves=consumed.moves())
+    out.update(
+        examples=NUM_EXAMPLES,
+        global_batch=BATCH,
+        epochs_read=round(steps * BATCH / NUM_EXAMPLES, 2),
+        slice_moves=consumed.moves(),
+    )
     if verify:
         reference_ids: dict[int, list[int]] = {}
         reference_iter = iter(pipeline())
@@ -148,18 +166,28 @@ def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, veri
 
         reference = run_reference(job, consumed, reference_step)
         got, want = _id_counts(consumed.ids), _id_counts(reference_ids)
-        diffs = jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                                       jax.device_get(result.state["params"]), jax.device_get(reference["params"]))
-        out.update(max_abs_param_diff_vs_reference=max(jax.tree_util.tree_leaves(diffs)),
-                   examples_skipped=sum((want - got).values()), examples_repeated=sum((got - want).values()),
-                   batches_differing_from_reference=sum(consumed.ids.get(s) != reference_ids[s] for s in reference_ids))
+        diffs = jax.tree_util.tree_map(
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+            jax.device_get(result.state["params"]),
+            jax.device_get(reference["params"]),
+        )
+        out.update(
+            max_abs_param_diff_vs_reference=max(jax.tree_util.tree_leaves(diffs)),
+            examples_skipped=sum((want - got).values()),
+            examples_repeated=sum((got - want).values()),
+            batches_differing_from_reference=sum(consumed.ids.get(s) != reference_ids[s] for s in reference_ids),
+        )
     return out
 
 
 def verified(out: dict[str, Any]) -> bool:
     """The --verify verdict: same parameters (within 1e-6) and the same examples, each batch at its step."""
-    return (out["max_abs_param_diff_vs_reference"] <= 1e-6 and out["examples_skipped"] == 0
-            and out["examples_repeated"] == 0 and out["batches_differing_from_reference"] == 0)
+    return (
+        out["max_abs_param_diff_vs_reference"] <= 1e-6
+        and out["examples_skipped"] == 0
+        and out["examples_repeated"] == 0
+        and out["batches_differing_from_reference"] == 0
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

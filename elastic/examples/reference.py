@@ -14,6 +14,7 @@ processes: for each stretch of steps on one set of slices, that many plain proce
 workers) join a ``jax.distributed`` group, receive the state from this process, run the example's step, and hand
 the state back; nothing of ``elastic`` runs in them but the helper that joins the group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -79,16 +80,28 @@ class ReferenceProcess:
 
         distributed.setup_process(env)
 
-    def run(self, address: str, size: int, index: int, host_state: Any, abstract: Any, shardings_fn: Any,
-            mesh_fn: Any, steps: list[int], step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
+    def run(
+        self,
+        address: str,
+        size: int,
+        index: int,
+        host_state: Any,
+        abstract: Any,
+        shardings_fn: Any,
+        mesh_fn: Any,
+        steps: list[int],
+        step_fn: Callable[[Any, int, Mesh], Any],
+    ) -> Any:
         from jax.experimental import multihost_utils
 
         from elastic.runtime import distributed
 
         distributed.reform(address, size, index)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        mesh = runtime.build_mesh([runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p))
-                                   for p in range(size)], mesh_fn)
+        mesh = runtime.build_mesh(
+            [runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p)) for p in range(size)],
+            mesh_fn,
+        )
         from elastic.api.shardings import state_shardings
 
         shardings = state_shardings(abstract, shardings_fn, mesh)
@@ -120,8 +133,7 @@ def _host(x: Any, multihost_utils: Any) -> Any:
     return multihost_utils.process_allgather(x, tiled=True)
 
 
-def run_reference_processes(job: ElasticJob, placements: Placements,
-                            step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
+def run_reference_processes(job: ElasticJob, placements: Placements, step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
     """:func:`run_reference` for a multi-process job: each stretch of steps on one slice set runs in that many fresh
     plain processes joined by ``jax.distributed``; the final state on the host (typed keys wrapped back)."""
     import ray
@@ -140,25 +152,48 @@ def run_reference_processes(job: ElasticJob, placements: Placements,
             stretches.append((placements.slices[step], []))
         stretches[-1][1].append(step)
     cfg = job.config
-    env = distributed.collective_env(cfg.devices_per_slice,
-                                     collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5)
+    env = distributed.collective_env(
+        cfg.devices_per_slice, collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5
+    )
     remote: Any = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0)
     init = jax.jit(job._init_fn)(jax.random.key(cfg.seed))  # noqa: SLF001 - the job's own init
     abstract = jax.eval_shape(job._init_fn, jax.random.key(cfg.seed))  # noqa: SLF001
-    host = jax.tree_util.tree_map(lambda x: _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
-                                  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x), init)
+    host = jax.tree_util.tree_map(
+        lambda x: (
+            _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else np.asarray(x)
+        ),
+        init,
+    )
     for slices, stretch in stretches:
         service = distributed.CoordinationService(len(slices), host=ray.util.get_node_ip_address())
         actors = [remote.remote(env) for _ in slices]
         try:
-            outs = ray.get([a.run.remote(service.address, len(slices), i, host, abstract,
-                                         job._shardings_fn,  # noqa: SLF001
-                                         job._mesh_fn, stretch, step_fn) for i, a in enumerate(actors)],  # noqa: SLF001
-                           timeout=600)
+            outs = ray.get(
+                [
+                    a.run.remote(
+                        service.address,
+                        len(slices),
+                        i,
+                        host,
+                        abstract,
+                        job._shardings_fn,  # noqa: SLF001
+                        job._mesh_fn,
+                        stretch,
+                        step_fn,
+                    )
+                    for i, a in enumerate(actors)
+                ],  # noqa: SLF001
+                timeout=600,
+            )
         finally:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             service.stop()
         host = outs[0]
-    return jax.tree_util.tree_map(lambda x: jax.random.wrap_key_data(x.data, impl=x.impl) if isinstance(x, _Key)
-                                  else x, host, is_leaf=lambda x: isinstance(x, _Key))
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.wrap_key_data(x.data, impl=x.impl) if isinstance(x, _Key) else x,
+        host,
+        is_leaf=lambda x: isinstance(x, _Key),
+    )

@@ -5,6 +5,7 @@
 Inside a Ray job, ``RAY_ADDRESS`` names the cluster and the job joins it; run directly, it starts an
 embedded Ray. Prints the job's report as one JSON object on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         faults.kill_slice(args.kill_slice, at_step=args.kill_at)
         if args.revive_at is not None:
             faults.revive_slice(args.kill_slice, at_step=args.revive_at)
-    config = ElasticConfig(job_name=args.job_name, num_slices=args.slices, devices_per_slice=args.devices_per_slice,
-                           num_steps=args.steps, snapshot_every=10, policy=Policy(min_slices=1))
-    trainer = Trainer(init_fn=init_params, step_fn=optax_step(loss_fn, optax.adam(1e-2)),
-                      batch_fn=lambda step: batch(step, 48), config=config, faults=faults)
+    config = ElasticConfig(
+        job_name=args.job_name,
+        num_slices=args.slices,
+        devices_per_slice=args.devices_per_slice,
+        num_steps=args.steps,
+        snapshot_every=10,
+        policy=Policy(min_slices=1),
+    )
+    trainer = Trainer(
+        init_fn=init_params,
+        step_fn=optax_step(loss_fn, optax.adam(1e-2)),
+        batch_fn=lambda step: batch(step, 48),
+        config=config,
+        faults=faults,
+    )
     result = trainer.fit()
     report = result.report.to_dict()
     report["ray_address"] = os.environ.get("RAY_ADDRESS", "embedded")

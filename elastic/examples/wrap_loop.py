@@ -1,7 +1,8 @@
 """The getting-started example (docs/getting-started.md): a plain jax + optax loop made elastic with a few lines.
 
-    python -m elastic.examples.wrap_loop
+python -m elastic.examples.wrap_loop
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # 8 CPU devices: 4 slices x 2
@@ -62,5 +63,7 @@ if __name__ == "__main__":
     with elastic.ElasticJob(config, init_fn=init_state, faults=faults) as job:
         result = job.run(loop)
     r = result.report
-    print(f"final loss {r.final_loss:.5f}; slices {r.slices_initial} -> {r.min_slices_seen} -> {r.slices_final}; "
-          f"recoveries {r.recoveries}; steps committed {r.steps_committed}, recomputed {r.steps_recomputed}")
+    print(
+        f"final loss {r.final_loss:.5f}; slices {r.slices_initial} -> {r.min_slices_seen} -> {r.slices_final}; "
+        f"recoveries {r.recoveries}; steps committed {r.steps_committed}, recomputed {r.steps_recomputed}"
+    )

@@ -3,6 +3,7 @@
 Each reads the job named by ``--job`` (default ``demo``) from the cluster named by ``RAY_ADDRESS``, or from
 its run record when no cluster is named (see :mod:`elastic.ops.runs`), and takes ``--json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,10 @@ def _source(args: argparse.Namespace) -> Any:
 
     source = open_run(args.job, run=args.run, directory=args.dir, token=args.token)
     if source.forged:
-        print(f"elastic: {source.forged} record(s) in job {args.job!r}'s stream are not signed by its writers: left "
-              "out", file=sys.stderr)
+        print(
+            f"elastic: {source.forged} record(s) in job {args.job!r}'s stream are not signed by its writers: left out",
+            file=sys.stderr,
+        )
     return source
 
 
@@ -56,13 +59,20 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     if status["epoch"] is None:
         lines.append("  no membership view yet")
     else:
-        lines.append(f"  epoch {status['epoch']}, slices {status['slices']}"
-                     + (f" ({status['reason']})" if status["reason"] else ""))
+        lines.append(
+            f"  epoch {status['epoch']}, slices {status['slices']}"
+            + (f" ({status['reason']})" if status["reason"] else "")
+        )
     rate = f", {status['steps_per_s']} steps/s" if status["steps_per_s"] is not None else ""
-    snap = (f"newest snapshot: step {status['snapshot_step']} ({status['snapshot_tier']})"
-            if status["snapshot_step"] is not None else "no snapshot yet")
-    lines.append(f"  {status['steps_committed']} steps committed{rate}; {snap}; failures {status['failures']}, "
-                 f"recoveries {status['recoveries']}")
+    snap = (
+        f"newest snapshot: step {status['snapshot_step']} ({status['snapshot_tier']})"
+        if status["snapshot_step"] is not None
+        else "no snapshot yet"
+    )
+    lines.append(
+        f"  {status['steps_committed']} steps committed{rate}; {snap}; failures {status['failures']}, "
+        f"recoveries {status['recoveries']}"
+    )
     for r in status["recent"]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(r['wall']))} {r['writer']:>14} {r['what']}")
     return lines
@@ -91,8 +101,11 @@ def _events(args: argparse.Namespace) -> int:
         if source.key is not None:
             fresh, forged = events.verify(fresh, source.key)
             if forged:
-                print(f"elastic: {len(forged)} record(s) not signed by job {source.job!r}'s writers: left out",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"elastic: {len(forged)} record(s) not signed by job {source.job!r}'s writers: left out",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if fresh:
             _print_records([r for r in fresh if not args.kind or r["kind"] in set(args.kind.split(","))], args.json)
             if any(r["kind"] == "closed" for r in fresh):
@@ -140,20 +153,24 @@ def _report(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic.control.cluster import connect, find_token
     from elastic.config import ElasticConfig
+    from elastic.control.cluster import connect, find_token
     from elastic.errors import ConfigError
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
     if not args.yes and not sys.stdin.isatty():
-        raise ConfigError(f"inject asks for confirmation on a terminal and stdin is not one: pass --yes to inject "
-                          f"{args.fault} into slice {args.slice} of job {args.job!r} without asking")
+        raise ConfigError(
+            f"inject asks for confirmation on a terminal and stdin is not one: pass --yes to inject "
+            f"{args.fault} into slice {args.slice} of job {args.job!r} without asking"
+        )
     if not os.environ.get("RAY_ADDRESS"):
         raise ConfigError("elastic inject acts on a running job: set RAY_ADDRESS to its cluster")
     token = find_token(args.job, args.token)
     if token is None:
-        raise ConfigError(f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
-                          "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
+        raise ConfigError(
+            f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
+            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+        )
     if not args.yes:
         try:
             answer = input(f"inject {args.fault} into slice {args.slice} of job {args.job!r}? [y/N] ")
@@ -169,15 +186,22 @@ def _inject(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
     out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
-    print(json.dumps({"job": args.job, **out}) if args.json else
-          f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}", flush=True)
+    print(
+        json.dumps({"job": args.job, **out})
+        if args.json
+        else f"injected {out['fault']} into slice {out['slice']} ({out['agent']}) at epoch {out['epoch']}",
+        flush=True,
+    )
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
-    p.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote for "
-                                   "this user under $ELASTIC_HOME/tokens)")
+    p.add_argument(
+        "--token",
+        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote for "
+        "this user under $ELASTIC_HOME/tokens)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     p.add_argument("--run", help="a run of the job (default: its newest)")
     p.add_argument("--dir", help="read a run record directory instead of the cluster")
@@ -192,8 +216,11 @@ def register(sub: Any) -> None:
     ev = sub.add_parser("events", help="a job's event stream: observations, decisions and reasons, recovery phases")
     _common(ev)
     ev.add_argument("--kind", help="only these kinds (comma-separated: view,health,timeline,progress,...)")
-    ev.add_argument("--follow", action="store_true", help="keep printing new events until the job closes (waits for "
-                                                          "a job that has not started yet)")
+    ev.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing new events until the job closes (waits for a job that has not started yet)",
+    )
     ev.add_argument("--follow-for", type=float, help="stop following after this many seconds")
     ev.set_defaults(func=_events)
     report = sub.add_parser("report", help="a job's report (JSON); --out timeline.png draws it")
@@ -201,14 +228,20 @@ def register(sub: Any) -> None:
     report.add_argument("--out", help="write a PNG timeline: slices over time, failures, recoveries, snapshots, steps")
     report.set_defaults(func=_report)
     inject = sub.add_parser("inject", help="inject a fault into a running job (asks for confirmation)")
-    inject.add_argument("fault", choices=("kill", "silence", "stop"),
-                        help="kill: the slice's agent process dies (in multi-process mode its worker: SIGKILL, as its "
-                        "host dying would); silence: it stops heartbeating; stop: its process is stopped (SIGSTOP, a "
-                        "hung host)")
+    inject.add_argument(
+        "fault",
+        choices=("kill", "silence", "stop"),
+        help="kill: the slice's agent process dies (in multi-process mode its worker: SIGKILL, as its "
+        "host dying would); silence: it stops heartbeating; stop: its process is stopped (SIGSTOP, a "
+        "hung host)",
+    )
     inject.add_argument("--slice", type=int, required=True)
     inject.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
-    inject.add_argument("--token", help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
-                                        "for this user under $ELASTIC_HOME/tokens)")
+    inject.add_argument(
+        "--token",
+        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
+        "for this user under $ELASTIC_HOME/tokens)",
+    )
     inject.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     inject.add_argument("--json", action="store_true")
     inject.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")

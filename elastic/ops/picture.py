@@ -11,6 +11,7 @@ The bottom panel has the committed step (``progress``, ``restored``, ``first_ste
 drop) per client writer, and steps per second on a twin axis. A give-up, the job's end and view changes
 are vertical lines. Drawn on a ``Figure`` with the Agg canvas: pyplot and its backend are left alone.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -34,13 +35,21 @@ KILL = "#7f0000"  # a kill injected by the chaos tools
 HEALED = "#2ca02c"  # a lost slice healthy again
 REFUSED = "#7f7f7f"
 RECOVERY = "#fdd49e"  # opaque, under everything else
-SNAPSHOT: dict[str | None, tuple[str, str]] = {"memory": ("#17becf", "|"), "keeper": ("#9467bd", "D"),
-                                               "persistent": ("#8c564b", "s")}
+SNAPSHOT: dict[str | None, tuple[str, str]] = {
+    "memory": ("#17becf", "|"),
+    "keeper": ("#9467bd", "D"),
+    "persistent": ("#8c564b", "s"),
+}
 STEP, RATE, SNAP_STEP = "#1f77b4", "#9e9e9e", "#17becf"
 
 
-def render_timeline(records: list[dict[str, Any]], out: str | os.PathLike[str], *, title: str | None = None,
-                    num_slices: int | None = None) -> Path:
+def render_timeline(
+    records: list[dict[str, Any]],
+    out: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    num_slices: int | None = None,
+) -> Path:
     """Draw ``records`` (one run's event stream, sorted by ``wall``) to the PNG ``out``; returns its path."""
     out = Path(out)
     records = sorted((r for r in records if isinstance(r.get("wall"), (int, float))), key=lambda r: r["wall"])
@@ -62,8 +71,16 @@ def render_timeline(records: list[dict[str, Any]], out: str | os.PathLike[str], 
         for start, stop, _ in recoveries:
             ax.axvspan(start, stop, color=RECOVERY, lw=0, zorder=0.5)
     for start, stop, label in recoveries:
-        top.text((start + stop) / 2, 1.01, label, transform=top.get_xaxis_transform(), ha="center", va="bottom",
-                 fontsize=8, color="#a0522d")
+        top.text(
+            (start + stop) / 2,
+            1.01,
+            label,
+            transform=top.get_xaxis_transform(),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="#a0522d",
+        )
     legend: dict[str, Any] = {}  # label -> proxy artist, for what was drawn, in drawing order
     if recoveries:
         legend["recovery / client restart"] = Patch(color=RECOVERY)
@@ -75,11 +92,25 @@ def render_timeline(records: list[dict[str, Any]], out: str | os.PathLike[str], 
     fig.suptitle(title or "job timeline", fontsize=14, y=0.985)
     fig.text(0.5, 0.935, _summary(records, recoveries, span), ha="center", fontsize=9, color="#444444")
     if legend:
-        fig.legend(handles=list(legend.values()), labels=list(legend), loc="center left",
-                   bbox_to_anchor=(0.805, 0.5), fontsize=8, frameon=False)
+        fig.legend(
+            handles=list(legend.values()),
+            labels=list(legend),
+            loc="center left",
+            bbox_to_anchor=(0.805, 0.5),
+            fontsize=8,
+            frameon=False,
+        )
     else:
-        top.text(0.5, 0.5, f"no slice or step events in {len(records)} record(s)", transform=top.transAxes,
-                 ha="center", va="center", fontsize=16, color=REFUSED)
+        top.text(
+            0.5,
+            0.5,
+            f"no slice or step events in {len(records)} record(s)",
+            transform=top.transAxes,
+            ha="center",
+            va="center",
+            fontsize=16,
+            color=REFUSED,
+        )
     fig.savefig(out, format="png", dpi=DPI)
     return out
 
@@ -118,7 +149,9 @@ def _recoveries(records: list[dict[str, Any]], t0: float, end: float) -> list[tu
                 why = "recovery + client restart"
         if _timeline(r, "failure") and open_at is None:
             open_at, why = x, "recovery"
-        elif open_at is not None and (_timeline(r, "first_step") or (r.get("kind") == "progress" and writer == new_writer)):
+        elif open_at is not None and (
+            _timeline(r, "first_step") or (r.get("kind") == "progress" and writer == new_writer)
+        ):
             spans.append((open_at, x, f"{why} {x - open_at:.1f} s"))
             open_at, new_writer = None, None
         if client:
@@ -128,8 +161,9 @@ def _recoveries(records: list[dict[str, Any]], t0: float, end: float) -> list[tu
     return spans
 
 
-def _draw_lanes(ax: Any, records: list[dict[str, Any]], t0: float, end: float, lanes: int,
-                legend: dict[str, Any]) -> None:
+def _draw_lanes(
+    ax: Any, records: list[dict[str, Any]], t0: float, end: float, lanes: int, legend: dict[str, Any]
+) -> None:
     """A bar per slice while active: from the views, or the client's progress when there is no view."""
     source = [r for r in records if r.get("kind") == "view"] or [r for r in records if r.get("kind") == "progress"]
     key = "active" if source and source[0].get("kind") == "view" else "slices"
@@ -152,8 +186,9 @@ def _draw_lanes(ax: Any, records: list[dict[str, Any]], t0: float, end: float, l
     ax.tick_params(axis="y", length=0)
 
 
-def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float, lanes: int,
-                legend: dict[str, Any]) -> None:
+def _draw_marks(
+    top: Any, bottom: Any, records: list[dict[str, Any]], t0: float, lanes: int, legend: dict[str, Any]
+) -> None:
     """Failures, heals, refusals, faults and snapshots on the lanes; view changes and the end as lines."""
     end = top.get_xlim()[1]
     lost: set[int] = set()
@@ -187,8 +222,16 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
             for ax in (top, bottom):
                 ax.axvline(x, color="black", lw=2.5, zorder=6)
             legend.setdefault("gave up", Line2D([], [], color="black", lw=2.5))
-            top.text(x, lanes, f" gave up: {str(r['gave_up'])[:60]} ", fontsize=9, va="center", zorder=7,
-                     ha="right" if x > 0.6 * end else "left", bbox={"color": "white", "alpha": 0.8, "lw": 0})
+            top.text(
+                x,
+                lanes,
+                f" gave up: {str(r['gave_up'])[:60]} ",
+                fontsize=9,
+                va="center",
+                zorder=7,
+                ha="right" if x > 0.6 * end else "left",
+                bbox={"color": "white", "alpha": 0.8, "lw": 0},
+            )
         elif kind == "view" and r.get("decision") in ("Shrink", "Grow"):
             line(x, "#888888", "view change (shrink/grow)", lw=0.8, ls=":")
         elif _timeline(r, "inject_revive"):  # a slice brought back: not a fault
@@ -217,14 +260,17 @@ def _draw_marks(top: Any, bottom: Any, records: list[dict[str, Any]], t0: float,
 
 def _step_samples(records: list[dict[str, Any]], t0: float) -> list[tuple[float, int]]:
     """(seconds, committed step) of every step sample: progress records, restores and first steps."""
-    return [(r["wall"] - t0, r["step"]) for r in records if isinstance(r.get("step"), int)
-            and (r.get("kind") == "progress" or _timeline(r, "restored", "first_step"))]
+    return [
+        (r["wall"] - t0, r["step"])
+        for r in records
+        if isinstance(r.get("step"), int) and (r.get("kind") == "progress" or _timeline(r, "restored", "first_step"))
+    ]
 
 
 def _time_of_step(samples: list[tuple[float, int]], step: int, before: float) -> float:
     """When ``step`` was committed, interpolated between the step samples seen up to ``before`` (seconds): the
     newest pair that brackets it (a rollback starts a new climb)."""
-    seen = samples[:bisect.bisect_right(samples, (before, math.inf))]
+    seen = samples[: bisect.bisect_right(samples, (before, math.inf))]
     for (x0, s0), (x1, s1) in zip(reversed(seen[:-1]), reversed(seen[1:]), strict=True):
         if s0 <= step <= s1:
             return x0 if s1 == s0 else x0 + (x1 - x0) * (step - s0) / (s1 - s0)
@@ -267,6 +313,12 @@ def _summary(records: list[dict[str, Any]], recoveries: list[tuple[float, float,
     steps += [r["steps"] - 1 for r in records if _timeline(r, "finished") and isinstance(r.get("steps"), int)]
     failures = count_failures(r for r in records if "kind" in r)
     gave_up = next((r["gave_up"] for r in records if r.get("kind") == "view" and r.get("gave_up")), None)
-    parts = [f"{end:.1f} s", f"{len(records)} records", f"{len(writers)} client(s)", f"{failures} failure(s)",
-             f"{len(recoveries)} recovery span(s)", f"last step {steps[-1] if steps else '-'}"]
+    parts = [
+        f"{end:.1f} s",
+        f"{len(records)} records",
+        f"{len(writers)} client(s)",
+        f"{failures} failure(s)",
+        f"{len(recoveries)} recovery span(s)",
+        f"last step {steps[-1] if steps else '-'}",
+    ]
     return " | ".join(parts + ([f"GAVE UP: {str(gave_up)[:60]}"] if gave_up else []))

@@ -17,6 +17,7 @@ snapshot and costs a restart of ``R`` seconds (a failure during a restart starts
   completes ``floor(max(g - R, 0) / (tau + C))`` segments (no restart before the first gap);
   goodput = work / wall time.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,19 @@ import numpy as np
 
 from elastic.errors import ConfigError
 
-__all__ = ["Candidate", "Plan", "PlanInputs", "daly_interval", "expected_goodput", "first_order_goodput",
-           "failure_gaps", "optimal_interval", "plan", "simulated_goodput", "young_interval"]
+__all__ = [
+    "Candidate",
+    "Plan",
+    "PlanInputs",
+    "daly_interval",
+    "expected_goodput",
+    "first_order_goodput",
+    "failure_gaps",
+    "optimal_interval",
+    "plan",
+    "simulated_goodput",
+    "young_interval",
+]
 
 MAX_FAILURES = 10_000_000  # a horizon past this many failures would not fit in memory comfortably
 CANDIDATE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -112,16 +124,20 @@ def first_order_goodput(tau_s: float, snapshot_s: float, restart_s: float, mtbf_
     return max(0.0, 1.0 - snapshot_s / tau_s - (tau_s / 2.0 + restart_s) / mtbf_s)
 
 
-def failure_gaps(mtbf_s: float, *, seed: int, horizon_failures: int | None = None,
-                 horizon_hours: float | None = None) -> np.ndarray:
+def failure_gaps(
+    mtbf_s: float, *, seed: int, horizon_failures: int | None = None, horizon_hours: float | None = None
+) -> np.ndarray:
     """Seconds between successive failures (exponential, mean ``mtbf_s``) over the horizon: ``horizon_failures``
     gaps, each ended by a failure, or gaps filling ``horizon_hours`` exactly (the last one cut at the end)."""
     if (horizon_failures is None) == (horizon_hours is None):
         raise ConfigError("give exactly one horizon: horizon_failures or horizon_hours")
     rng = np.random.default_rng(seed)
     if horizon_failures is not None:
-        if isinstance(horizon_failures, bool) or not isinstance(horizon_failures, int) \
-                or not 1 <= horizon_failures <= MAX_FAILURES:
+        if (
+            isinstance(horizon_failures, bool)
+            or not isinstance(horizon_failures, int)
+            or not 1 <= horizon_failures <= MAX_FAILURES
+        ):
             raise ConfigError(f"horizon_failures must be an int in 1..{MAX_FAILURES:,}, got {horizon_failures!r}")
         return rng.exponential(mtbf_s, horizon_failures)
     _number("horizon_hours", horizon_hours, "hours")
@@ -129,15 +145,17 @@ def failure_gaps(mtbf_s: float, *, seed: int, horizon_failures: int | None = Non
     horizon_s = horizon_hours * 3600.0
     expected = horizon_s / mtbf_s
     if expected > MAX_FAILURES:
-        raise ConfigError(f"horizon_hours={horizon_hours} means ~{expected:,.0f} failures at a job MTBF of "
-                          f"{mtbf_s:.4g} s; give at most ~{MAX_FAILURES * mtbf_s / 3600:.4g} hours")
+        raise ConfigError(
+            f"horizon_hours={horizon_hours} means ~{expected:,.0f} failures at a job MTBF of "
+            f"{mtbf_s:.4g} s; give at most ~{MAX_FAILURES * mtbf_s / 3600:.4g} hours"
+        )
     draw = int(expected + 10.0 * math.sqrt(expected) + 10)  # enough almost always; topped up otherwise
     gaps = rng.exponential(mtbf_s, draw)
     while gaps.sum() < horizon_s:
         gaps = np.concatenate([gaps, rng.exponential(mtbf_s, draw)])
     ends = np.cumsum(gaps)
     last = int(np.searchsorted(ends, horizon_s))  # the first gap that reaches the horizon
-    gaps = gaps[:last + 1].copy()
+    gaps = gaps[: last + 1].copy()
     gaps[last] = horizon_s - (ends[last - 1] if last else 0.0)
     return gaps
 
@@ -162,8 +180,13 @@ class Candidate:
     simulated_goodput: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "seconds": self.seconds, "expected_goodput": self.expected_goodput,
-                "first_order_goodput": self.first_order_goodput, "simulated_goodput": self.simulated_goodput}
+        return {
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "expected_goodput": self.expected_goodput,
+            "first_order_goodput": self.first_order_goodput,
+            "simulated_goodput": self.simulated_goodput,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,23 +210,31 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         chosen, i = self.chosen, self.inputs
         return {
-            "chips": i.chips, "mtbf_hours_per_chip": i.mtbf_hours_per_chip, "step_seconds": i.step_seconds,
-            "snapshot_seconds": i.snapshot_seconds, "restart_seconds": i.restart_seconds,
+            "chips": i.chips,
+            "mtbf_hours_per_chip": i.mtbf_hours_per_chip,
+            "step_seconds": i.step_seconds,
+            "snapshot_seconds": i.snapshot_seconds,
+            "restart_seconds": i.restart_seconds,
             "job_mtbf_hours": i.job_mtbf_seconds / 3600.0,
-            "young_seconds": self.young_seconds, "daly_seconds": self.daly_seconds,
+            "young_seconds": self.young_seconds,
+            "daly_seconds": self.daly_seconds,
             "optimum_seconds": self.optimum_seconds,
-            "interval_steps": self.interval_steps, "interval_seconds": chosen.seconds,
-            "expected_goodput": chosen.expected_goodput, "first_order_goodput": chosen.first_order_goodput,
+            "interval_steps": self.interval_steps,
+            "interval_seconds": chosen.seconds,
+            "expected_goodput": chosen.expected_goodput,
+            "first_order_goodput": chosen.first_order_goodput,
             "simulated_goodput": chosen.simulated_goodput,
             "difference": chosen.simulated_goodput - chosen.expected_goodput,
-            "seed": self.seed, "simulated_failures": self.simulated_failures,
+            "seed": self.seed,
+            "simulated_failures": self.simulated_failures,
             "simulated_hours": self.simulated_hours,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
 
-def plan(inputs: PlanInputs, *, seed: int = 0, horizon_failures: int | None = None,
-         horizon_hours: float | None = None) -> Plan:
+def plan(
+    inputs: PlanInputs, *, seed: int = 0, horizon_failures: int | None = None, horizon_hours: float | None = None
+) -> Plan:
     """The best whole-step interval and candidates around it (x1/4 .. x4), each simulated on the same
     failure times (``horizon_failures`` defaults to 100,000 when neither horizon is given)."""
     if horizon_failures is None and horizon_hours is None:
@@ -214,10 +245,25 @@ def plan(inputs: PlanInputs, *, seed: int = 0, horizon_failures: int | None = No
     best = max(sorted(near), key=lambda k: expected_goodput(k * step, c, r, m))
     steps = sorted({max(1, round(best * f)) for f in CANDIDATE_FACTORS})
     gaps = failure_gaps(m, seed=seed, horizon_failures=horizon_failures, horizon_hours=horizon_hours)
-    candidates = tuple(Candidate(steps=k, seconds=k * step, expected_goodput=expected_goodput(k * step, c, r, m),
-                                 first_order_goodput=first_order_goodput(k * step, c, r, m),
-                                 simulated_goodput=simulated_goodput(gaps, k * step, c, r)) for k in steps)
+    candidates = tuple(
+        Candidate(
+            steps=k,
+            seconds=k * step,
+            expected_goodput=expected_goodput(k * step, c, r, m),
+            first_order_goodput=first_order_goodput(k * step, c, r, m),
+            simulated_goodput=simulated_goodput(gaps, k * step, c, r),
+        )
+        for k in steps
+    )
     failures = len(gaps) if horizon_hours is None else len(gaps) - 1
-    return Plan(inputs=inputs, young_seconds=young_interval(c, m), daly_seconds=daly_interval(c, m),
-                optimum_seconds=optimum, interval_steps=best, candidates=candidates, seed=seed,
-                simulated_failures=failures, simulated_hours=float(gaps.sum()) / 3600.0)
+    return Plan(
+        inputs=inputs,
+        young_seconds=young_interval(c, m),
+        daly_seconds=daly_interval(c, m),
+        optimum_seconds=optimum,
+        interval_steps=best,
+        candidates=candidates,
+        seed=seed,
+        simulated_failures=failures,
+        simulated_hours=float(gaps.sum()) / 3600.0,
+    )

@@ -1,4 +1,5 @@
 """A terminal progress bar and the end-of-run timeline, on stderr (stdout is kept for results)."""
+
 from __future__ import annotations
 
 from typing import Any, TextIO
@@ -15,9 +16,15 @@ class Progress:
     def __init__(self, total: int, *, enabled: bool, stream: TextIO, label: str = "training") -> None:
         self._enabled = enabled
         self._console = Console(file=stream)
-        self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self._console,
-                                 disable=not enabled)
+        self._bar = RichProgress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self._console,
+            disable=not enabled,
+        )
         self._task = self._bar.add_task(label, total=total, info="")
 
     def __enter__(self) -> Progress:
@@ -29,8 +36,9 @@ class Progress:
 
     def on_step(self, step: int, metrics: dict[str, Any], run: Any) -> None:
         loss = float(metrics["loss"]) if "loss" in metrics else float("nan")
-        self._bar.update(self._task, completed=step + 1,
-                         info=f"loss {loss:.4f} | {len(run.slices)} slices | epoch {run.epoch}")
+        self._bar.update(
+            self._task, completed=step + 1, info=f"loss {loss:.4f} | {len(run.slices)} slices | epoch {run.epoch}"
+        )
 
 
 def print_timeline(events: list[dict[str, Any]], stream: TextIO) -> None:

@@ -4,6 +4,7 @@ A job's run is read from the cluster named by ``RAY_ADDRESS`` (its GCS event str
 or, when no cluster is named, from the run records jobs write at close (``record_dir``, by default
 ``$ELASTIC_HOME/runs``: the CLI's ``elastic demo`` writes there). ``fold_status`` and ``fold_report`` are pure.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,32 +53,37 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None, 
         records, report = events.load(directory)
         return Source(job=job, run=Path(directory).name, where=str(directory), records=records, report=report)
     if os.environ.get("RAY_ADDRESS"):
-        from elastic.control.cluster import connect
-
-        from elastic.control.cluster import find_token
+        from elastic.control.cluster import connect, find_token
         from elastic.supervision.credential import derive
 
         connect()
         run = run or events.current_run(job)
         if run is None:
-            raise ConfigError(f"no job {job!r} on the cluster at {os.environ['RAY_ADDRESS']} (no event stream); "
-                              f"jobs there: {sorted(_jobs_online()) or 'none'}")
+            raise ConfigError(
+                f"no job {job!r} on the cluster at {os.environ['RAY_ADDRESS']} (no event stream); "
+                f"jobs there: {sorted(_jobs_online()) or 'none'}"
+            )
         token = find_token(job, token)
         if token is None:
-            raise AccessError(f"no credential for job {job!r} here: run this as the job's user on its client machine "
-                              "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)")
+            raise AccessError(
+                f"no credential for job {job!r} here: run this as the job's user on its client machine "
+                "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+            )
         key = derive(token, "stream")
         records, forged = events.verify(events.read(job, run), key)
         if not any(r["writer"] == "job" and r["kind"] == "run_started" for r in records) and forged:
             raise AccessError(f"the credential given is not job {job!r}'s (its event stream does not verify under it)")
-        return Source(job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}", records=records, key=key,
-                      forged=len(forged))
+        return Source(
+            job=job, run=run, where=f"cluster {os.environ['RAY_ADDRESS']}", records=records, key=key, forged=len(forged)
+        )
     runs = sorted(p for p in (records_dir() / job).glob("*") if (p / "events.jsonl").exists())
     if run is not None:
         runs = [p for p in runs if p.name == run]
     if not runs:
-        raise ConfigError(f"no record of job {job!r} under {records_dir()} and RAY_ADDRESS is not set: point "
-                          "RAY_ADDRESS at the job's cluster, or pass --dir to a run record")
+        raise ConfigError(
+            f"no record of job {job!r} under {records_dir()} and RAY_ADDRESS is not set: point "
+            "RAY_ADDRESS at the job's cluster, or pass --dir to a run record"
+        )
     records, report = events.load(runs[-1])
     return Source(job=job, run=runs[-1].name, where=str(runs[-1]), records=records, report=report)
 
@@ -94,8 +100,11 @@ def describe(record: dict[str, Any]) -> str:
     """One line for a record: what happened and why."""
     kind = record["kind"]
     if kind == "timeline":
-        detail = {k: v for k, v in record.items()
-                  if k not in ("wall", "writer", "seq", "kind", "t", "event", "mac") and v is not None}
+        detail = {
+            k: v
+            for k, v in record.items()
+            if k not in ("wall", "writer", "seq", "kind", "t", "event", "mac") and v is not None
+        }
         return f"{record['event']} " + " ".join(f"{k}={v}" for k, v in detail.items())
     if kind == "view":
         return f"view epoch {record['epoch']} slices {record['active']} ({record['decision']}): {record['reason']}"
@@ -103,8 +112,11 @@ def describe(record: dict[str, Any]) -> str:
         return f"slice {record['slice']} {'healthy' if record['healthy'] else 'LOST'}: {record['cause']}"
     if kind == "progress":
         rate = f" at {record['steps_per_s']} steps/s" if record.get("steps_per_s") is not None else ""
-        snap = (f"snapshot {record['snapshot_step']} ({record['snapshot_tier']})"
-                if record.get("snapshot_step") is not None else "no snapshot yet")
+        snap = (
+            f"snapshot {record['snapshot_step']} ({record['snapshot_tier']})"
+            if record.get("snapshot_step") is not None
+            else "no snapshot yet"
+        )
         return f"step {record['step']}{rate} on slices {record['slices']}, {snap}"
     if kind == "inject":
         return f"operator injected {record.get('fault')} into slice {record.get('slice')}"
@@ -145,12 +157,18 @@ def fold_status(source: Source) -> dict[str, Any]:
     step = finished["steps"] - 1 if finished is not None else (progress or {}).get("step")
     recent = [r for r in records if r["kind"] != "progress"][-RECENT:]
     return {
-        "job": source.job, "run": source.run, "source": source.where, "state": state,
-        "epoch": view["epoch"] if view else None, "slices": view["active"] if view else [],
-        "reason": view["reason"] if view else None, "step": step,
+        "job": source.job,
+        "run": source.run,
+        "source": source.where,
+        "state": state,
+        "epoch": view["epoch"] if view else None,
+        "slices": view["active"] if view else [],
+        "reason": view["reason"] if view else None,
+        "step": step,
         "steps_committed": step + 1 if isinstance(step, int) else 0,
         "steps_per_s": (progress or {}).get("steps_per_s"),
-        "snapshot_step": (progress or {}).get("snapshot_step"), "snapshot_tier": (progress or {}).get("snapshot_tier"),
+        "snapshot_step": (progress or {}).get("snapshot_step"),
+        "snapshot_tier": (progress or {}).get("snapshot_tier"),
         "failures": failures(records),
         "recoveries": sum(r["kind"] == "timeline" and r["event"] == "first_step" for r in records),
         "last_event_wall": records[-1]["wall"] if records else None,
@@ -164,9 +182,19 @@ def fold_report(source: Source) -> dict[str, Any]:
     if source.report is not None:
         return {"job": source.job, "run": source.run, **source.report}
     status = fold_status(source)
-    timeline = [{k: v for k, v in r.items() if k not in ("writer", "seq", "kind")} for r in source.records
-                if r["kind"] == "timeline"]
-    return {"job": source.job, "run": source.run, "state": status["state"], "steps_committed": status["steps_committed"],
-            "recoveries": status["recoveries"], "failures": status["failures"], "slices_final": len(status["slices"]),
-            "seconds": round(status["last_event_wall"] - source.records[0]["wall"], 3) if source.records else 0.0,
-            "timeline": timeline}
+    timeline = [
+        {k: v for k, v in r.items() if k not in ("writer", "seq", "kind")}
+        for r in source.records
+        if r["kind"] == "timeline"
+    ]
+    return {
+        "job": source.job,
+        "run": source.run,
+        "state": status["state"],
+        "steps_committed": status["steps_committed"],
+        "recoveries": status["recoveries"],
+        "failures": status["failures"],
+        "slices_final": len(status["slices"]),
+        "seconds": round(status["last_event_wall"] - source.records[0]["wall"], 3) if source.records else 0.0,
+        "timeline": timeline,
+    }

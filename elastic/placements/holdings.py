@@ -9,6 +9,7 @@ outlive the group's devices. What a worker holds is told by step (:meth:`Holding
 regions held here and every region the leaf had on its mesh, so the driver can tell whether the survivors hold a
 whole step between them (:func:`common_step`), and any region of it is cut from the pieces here (:meth:`find`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from elastic.snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotter
-from elastic.snapshot.image import Index, assemble, meta_checksum
 from elastic.snapshot.errors import SnapshotStructureError
+from elastic.snapshot.image import Index, assemble, meta_checksum
 
 __all__ = ["Holdings", "common_step", "holders_of", "regions_of", "select"]
 
@@ -46,7 +47,7 @@ def holders_of(state_leaves: Sequence[Any]) -> list[dict[Index, tuple[int, ...]]
         trailing: tuple[tuple[int, int], ...] = ()
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             data_shape = jax.eval_shape(jax.random.key_data, leaf).shape
-            trailing = tuple((0, n) for n in data_shape[len(shape):])
+            trailing = tuple((0, n) for n in data_shape[len(shape) :])
         held: dict[Index, set[int]] = {}
         for device, idx in leaf.sharding.devices_indices_map(shape).items():
             held.setdefault(region(idx, shape) + trailing, set()).add(device.process_index)
@@ -56,8 +57,10 @@ def holders_of(state_leaves: Sequence[Any]) -> list[dict[Index, tuple[int, ...]]
 
 def select(image: HostImage, keep: Callable[[int, Index], bool]) -> HostImage | None:
     """``image`` with only the pieces ``keep(leaf, index)`` chooses (None when it chooses none)."""
-    leaves = tuple(dataclasses.replace(leaf, pieces=tuple(p for p in leaf.pieces if keep(i, p.index)))
-                   for i, leaf in enumerate(image.leaves))
+    leaves = tuple(
+        dataclasses.replace(leaf, pieces=tuple(p for p in leaf.pieces if keep(i, p.index)))
+        for i, leaf in enumerate(image.leaves)
+    )
     if not any(leaf.pieces for leaf in leaves):
         return None
     return dataclasses.replace(image, leaves=leaves)
@@ -66,8 +69,12 @@ def select(image: HostImage, keep: Callable[[int, Index], bool]) -> HostImage | 
 def _private(image: HostImage) -> HostImage:
     """``image`` with every piece copied into memory this process owns (a view from Ray's object store dies with
     the process that put it)."""
-    leaves = tuple(dataclasses.replace(leaf, pieces=tuple(dataclasses.replace(p, data=np.array(p.data, copy=True))
-                                                          for p in leaf.pieces)) for leaf in image.leaves)
+    leaves = tuple(
+        dataclasses.replace(
+            leaf, pieces=tuple(dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces)
+        )
+        for leaf in image.leaves
+    )
     return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
 
 
@@ -83,8 +90,13 @@ class Holdings:
         self._buddies: dict[int, dict[int, HostImage]] = {}  # slice -> step -> image
         self._snap: Snapshotter | None = None
         self._send: list[Send] = []
-        self._stats = {"snapshots_requested": 0, "snapshots_taken": 0, "snapshots_coalesced": 0,
-                       "snapshots_failed": 0, "blocking_seconds": 0.0}
+        self._stats = {
+            "snapshots_requested": 0,
+            "snapshots_taken": 0,
+            "snapshots_coalesced": 0,
+            "snapshots_failed": 0,
+            "blocking_seconds": 0.0,
+        }
 
     # -- a group's snapshots -------------------------------------------------------------------------------------
     def begin(self, slice_of: Callable[[Any], int], send: Sequence[Send], state: Any = None) -> None:
@@ -93,8 +105,11 @@ class Holdings:
         the group's state, planned for now (its first snapshot then costs the training thread no planning)."""
         self._send = list(send)
         self._static: dict[str, Any] = {}
-        self._snap = Snapshotter(SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),
-                                 slice_of=slice_of, on_complete=self._completed)
+        self._snap = Snapshotter(
+            SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),
+            slice_of=slice_of,
+            on_complete=self._completed,
+        )
         if state is not None:
             self._snap.prepare(state)
 
@@ -163,7 +178,8 @@ class Holdings:
         with self._lock:
             own = self._own_images()
             s["held_bytes"] = sum(i.nbytes for i in own.values()) + sum(
-                i.nbytes for g in self._buddies.values() for i in g.values())
+                i.nbytes for g in self._buddies.values() for i in g.values()
+            )
         s["state_bytes"] = max((i.nbytes for i in own.values()), default=0)
         s["latest_step"] = max(own, default=None)  # type: ignore[assignment]  # stats hold ints and floats
         return s
@@ -213,10 +229,11 @@ class Holdings:
             for step in steps:
                 images = ([own[step]] if step in own else []) + [g[step] for g in self._buddies.values() if step in g]
                 leaves = len(images[0].leaves)
-                out[step] = {"own": step in own,
-                             "held": [sorted({p.index for i in images for p in i.leaves[k].pieces})
-                                      for k in range(leaves)],
-                             "regions": images[0].meta.get("_regions")}
+                out[step] = {
+                    "own": step in own,
+                    "held": [sorted({p.index for i in images for p in i.leaves[k].pieces}) for k in range(leaves)],
+                    "regions": images[0].meta.get("_regions"),
+                }
         return out
 
     def meta(self, step: int) -> dict[str, Any] | None:
@@ -279,8 +296,10 @@ def common_step(helds: Sequence[dict[int, dict[str, Any]]], *, own_required: boo
         regions = next((h[step]["regions"] for h in helds if step in h and h[step]["regions"]), None)
         if regions is None:
             continue
-        have = [set().union(*(map(tuple, held[step]["held"][i]) for held in helds if step in held))
-                for i in range(len(regions))]
+        have = [
+            set().union(*(map(tuple, held[step]["held"][i]) for held in helds if step in held))
+            for i in range(len(regions))
+        ]
         if all({tuple(r) for r in regions[i]} <= have[i] for i in range(len(regions))):
             return step
     return None

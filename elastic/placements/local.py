@@ -6,6 +6,7 @@ copies, the keepers, Orbax) after a failure, or initialised. The loop runs here,
 runtime's guard (a simulated slice's loss raises where a real one would). The step is compiled ahead for every
 mesh one slice loss away and for the grow-back mesh (:class:`runtime.StandbyCompiler`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,9 +28,18 @@ __all__ = ["LocalPlacement"]
 
 
 class LocalPlacement:
-    def __init__(self, config: ElasticConfig, *, topology: runtime.Topology, mesh_fn: runtime.MeshFn | None,
-                 shardings: Callable[[Mesh], Any], init_fn: Callable[[jax.Array], Any], tiers: TierSet,
-                 initial_state: Callable[[Any], Any] | None = None, init_step: int = 0) -> None:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        topology: runtime.Topology,
+        mesh_fn: runtime.MeshFn | None,
+        shardings: Callable[[Mesh], Any],
+        init_fn: Callable[[jax.Array], Any],
+        tiers: TierSet,
+        initial_state: Callable[[Any], Any] | None = None,
+        init_step: int = 0,
+    ) -> None:
         self.config = config
         self._topology = topology
         self._mesh_fn = mesh_fn
@@ -86,15 +96,26 @@ class LocalPlacement:
             self._prepared = (view, mesh, state, self._init_step, {})
             return Placed(how="fresh", step=self._init_step)
         during("restore", restored.step, view)
-        state = runtime.wait_ready(restored.state, devices, timeout_s=self._wait_s,  # the copies have landed
-                                   what=f"the restore of step {restored.step}")
+        state = runtime.wait_ready(
+            restored.state,
+            devices,
+            timeout_s=self._wait_s,  # the copies have landed
+            what=f"the restore of step {restored.step}",
+        )
         # The restored generation lost its copies on the dead slices: snapshot again at the first commit
         # (after the first step, off its path), so every piece regains its copies on the survivors.
         self._soon = True
         self._prepared = (view, mesh, state, restored.step, copy.deepcopy(restored.meta["extras"]))
-        return Placed(how="restored", step=restored.step, tier=restored.tier, generation=restored.generation,
-                      source=restored.source, shards_kept=restored.shards_kept, meta=restored.meta,
-                      waited_s=round(self._tiers.last_wait_seconds, 3))
+        return Placed(
+            how="restored",
+            step=restored.step,
+            tier=restored.tier,
+            generation=restored.generation,
+            source=restored.source,
+            shards_kept=restored.shards_kept,
+            meta=restored.meta,
+            waited_s=round(self._tiers.last_wait_seconds, 3),
+        )
 
     def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
         assert self._prepared is not None, "run_pass before prepare"
@@ -115,8 +136,15 @@ class LocalPlacement:
             now = host.view
             return None if now.epoch == epoch else now
 
-        pass_host = PassHost(self.config, save=save, changed=changed, on_commit=on_commit, before=host.before_step,
-                             record=self._standby.record, snapshot_soon=self._soon)
+        pass_host = PassHost(
+            self.config,
+            save=save,
+            changed=changed,
+            on_commit=on_commit,
+            before=host.before_step,
+            record=self._standby.record,
+            snapshot_soon=self._soon,
+        )
         run = Run(pass_host, view=view, mesh=mesh, state=state, start_step=start, extras=extras)
         if self._fresh:
             self._fresh = False
@@ -169,4 +197,3 @@ class LocalPlacement:
         if everything != view.active:
             sets.append(everything)
         return [runtime.build_mesh(self._topology.select(s), self._mesh_fn) for s in sets]
-

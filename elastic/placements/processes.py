@@ -14,6 +14,7 @@ after a failure is hung, and is killed. Commits are read from the lead worker as
 pass (a new process for a lost slice registered), the group stops at a step boundary a few steps ahead, snapshots
 there, and re-forms with the new member. The workers are the slices' agents: the supervisor sees their death.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,8 @@ from elastic.log import get_logger
 from elastic.placements.holdings import common_step
 from elastic.placements.standby import StandbyGroup
 from elastic.placements.worker import GroupPlan, SliceWorker, WorkerSpec
-from elastic.supervision.membership import View
 from elastic.runtime import distributed
+from elastic.supervision.membership import View
 
 __all__ = ["ProcessPlacement", "WorkerProcesses", "process_env"]
 
@@ -81,13 +82,25 @@ class WorkerProcesses:
         return process_env(self._config)
 
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
-        return ray.remote(SliceWorker).options(**self.actor_options(), **options, max_concurrency=16).remote(
-            index, incarnation, supervisor, self._spec, self.env())
+        return (
+            ray.remote(SliceWorker)
+            .options(**self.actor_options(), **options, max_concurrency=16)
+            .remote(index, incarnation, supervisor, self._spec, self.env())
+        )
 
 
 class ProcessPlacement:
-    def __init__(self, config: ElasticConfig, *, spec: WorkerSpec, group: Callable[[], ActorGroup],
-                 accounting: Accounting, keepers: Callable[[], Any], cache_dir: str, factory: WorkerProcesses) -> None:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        spec: WorkerSpec,
+        group: Callable[[], ActorGroup],
+        accounting: Accounting,
+        keepers: Callable[[], Any],
+        cache_dir: str,
+        factory: WorkerProcesses,
+    ) -> None:
         assert config.processes is not None
         self.config = config
         self._procs = config.processes
@@ -114,12 +127,24 @@ class ProcessPlacement:
         self._snapshots: dict[int, dict[str, Any]] = {}  # slice -> its snapshot counters at its last pass end
         self._final: Any = None
         self._failed_at: float | None = None
-        self.figures: dict[str, Any] = {"mode": "multi-process", "worker_processes_restarted": 0, "survivors_lost": 0,
-                                        "workers_hung_killed": 0, "reform_seconds": [], "detection_seconds": [],
-                                        "recovery_compile_seconds": [], "worker_pids": {}}
-        self._standby = StandbyGroup(cache_dir=cache_dir, actor_options=factory.actor_options, env=factory.env(),
-                                     mesh_fn=spec.mesh_fn,
-                                     rendezvous_timeout_s=self._procs.rendezvous_timeout_s, job=config.job_name)
+        self.figures: dict[str, Any] = {
+            "mode": "multi-process",
+            "worker_processes_restarted": 0,
+            "survivors_lost": 0,
+            "workers_hung_killed": 0,
+            "reform_seconds": [],
+            "detection_seconds": [],
+            "recovery_compile_seconds": [],
+            "worker_pids": {},
+        }
+        self._standby = StandbyGroup(
+            cache_dir=cache_dir,
+            actor_options=factory.actor_options,
+            env=factory.env(),
+            mesh_fn=spec.mesh_fn,
+            rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
+            job=config.job_name,
+        )
         self._recovering = False
 
     # -- the seam -------------------------------------------------------------------------------------------------
@@ -138,25 +163,42 @@ class ProcessPlacement:
         helds = self._ask(handles, "held", timeout=90.0, args=(live,))  # at a boundary: its snapshot, copied
         holders = [s for s in members if any(h["own"] for h in helds[s].values())]
         source, step, keeper, tier = self._source(helds, holders, live=live, previous=previous)
-        self._log.info("group_source", epoch=view.epoch, source=source, step=step,
-                       held={s: sorted(h) for s, h in helds.items()})
+        self._log.info(
+            "group_source", epoch=view.epoch, source=source, step=step, held={s: sorted(h) for s, h in helds.items()}
+        )
         chose = time.monotonic()
         self._groups += 1
         # The old group's service stays up until every member has left it (in its prepare, below): a service that
         # stops under a connected client makes that client's error poll fail, and jax then aborts the process.
-        old, self._service = self._service, distributed.CoordinationService(len(members),
-                                                                             host=ray.util.get_node_ip_address())
-        plan = GroupPlan(epoch=self._groups, address=self._service.address, members=members, peers=handles,
-                         source=source, step=step, view=view, live=live, pids=tuple(sorted(self._acct.pids | {os.getpid()})),
-                         keeper=keeper, rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
-                         record_calls=not self._calls, fault_floor=self._reached)
+        old, self._service = (
+            self._service,
+            distributed.CoordinationService(len(members), host=ray.util.get_node_ip_address()),
+        )
+        plan = GroupPlan(
+            epoch=self._groups,
+            address=self._service.address,
+            members=members,
+            peers=handles,
+            source=source,
+            step=step,
+            view=view,
+            live=live,
+            pids=tuple(sorted(self._acct.pids | {os.getpid()})),
+            keeper=keeper,
+            rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
+            record_calls=not self._calls,
+            fault_floor=self._reached,
+        )
         refs = {handles[s].prepare.remote(plan): s for s in members}
         if step is not None:
             grew = len(members) > len(previous)
             during("restore" if not live else "grow" if grew else "reshard", step, view)
         try:
-            results = self._collect(refs, timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
-                                    what=f"group {plan.epoch} to form")
+            results = self._collect(
+                refs,
+                timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
+                what=f"group {plan.epoch} to form",
+            )
         except jax.errors.JaxRuntimeError:
             died = self._died & set(previous)  # a survivor of the last group died as this one formed
             self.figures["survivors_lost"] += len(self._collateral(died - self._targeted(plan, died)))
@@ -175,12 +217,29 @@ class ProcessPlacement:
         reform = max(r.get("reform_seconds") or 0.0 for r in results.values())
         if self._recovering:
             self.figures["reform_seconds"].append(round(reform, 3))
-        detail = {"reform_seconds": round(reform, 3),
-                  "restore_seconds": max(r.get("restore_seconds") or 0.0 for r in results.values()),
-                  "phases": {"held": round(chose - asked, 3), "formed": round(time.monotonic() - chose, 3),
-                             **{k: max(r.get("phases", {}).get(k, 0.0) for r in results.values())
-                                for k in ("end_group", "leave", "leave_backend", "leave_caches", "leave_gc", "leave_client", "join",
-                                          "backend", "shardings", "restore")}}}
+        detail = {
+            "reform_seconds": round(reform, 3),
+            "restore_seconds": max(r.get("restore_seconds") or 0.0 for r in results.values()),
+            "phases": {
+                "held": round(chose - asked, 3),
+                "formed": round(time.monotonic() - chose, 3),
+                **{
+                    k: max(r.get("phases", {}).get(k, 0.0) for r in results.values())
+                    for k in (
+                        "end_group",
+                        "leave",
+                        "leave_backend",
+                        "leave_caches",
+                        "leave_gc",
+                        "leave_client",
+                        "join",
+                        "backend",
+                        "shardings",
+                        "restore",
+                    )
+                },
+            },
+        }
         meta = results[members[0]].get("meta")
         if source == "fresh":
             return Placed(how="fresh", step=self._spec.init_step, detail=detail)
@@ -189,8 +248,9 @@ class ProcessPlacement:
             return Placed(how="moved", step=step, detail=detail)
         return Placed(how="restored", step=step, tier=tier, generation=step, meta=meta, detail=detail)
 
-    def _source(self, helds: dict[int, dict[int, Any]], holders: list[int], *, live: bool,
-                previous: tuple[int, ...]) -> tuple[str, int | None, str | None, str | None]:
+    def _source(
+        self, helds: dict[int, dict[int, Any]], holders: list[int], *, live: bool, previous: tuple[int, ...]
+    ) -> tuple[str, int | None, str | None, str | None]:
         """Where the state comes from: (source, step, keeper, tier)."""
         step = common_step([helds[s] for s in holders]) if holders else None
         if step is not None:
@@ -211,7 +271,8 @@ class ProcessPlacement:
                 f"no tier can restore the state: the surviving workers {holders} do not hold a whole step between "
                 "them (a worker was lost with the buddy copy of its shards), and no keeper or persistent copy "
                 "exists. Nothing was restarted from step 0; raise tiers.keeper_every's frequency, or set "
-                "tiers.persistent_dir")
+                "tiers.persistent_dir"
+            )
         return "fresh", None, None, None
 
     def _persistent_step(self) -> int | None:
@@ -253,8 +314,9 @@ class ProcessPlacement:
             for handle in handles.values():
                 handle.renew.remote()
 
-    def _watch(self, plan: GroupPlan, handles: dict[int, Any], pending: dict[Any, int], host: PlacementHost,
-               run: _RunInfo) -> PassEnd:
+    def _watch(
+        self, plan: GroupPlan, handles: dict[int, Any], pending: dict[Any, int], host: PlacementHost, run: _RunInfo
+    ) -> PassEnd:
         results: dict[int, dict[str, Any]] = {}
         lost: set[int] = set()
         failed_at: float | None = None
@@ -276,8 +338,12 @@ class ProcessPlacement:
                     continue
                 if results[s]["status"] not in ("finished", "regroup"):
                     failed_at = failed_at or results[s].get("failed_at") or time.time()
-                    self._acct.timeline.add("collective_failed", slice=s, status=results[s]["status"],
-                                            error=str(results[s].get("error"))[:160])
+                    self._acct.timeline.add(
+                        "collective_failed",
+                        slice=s,
+                        status=results[s]["status"],
+                        error=str(results[s].get("error"))[:160],
+                    )
             if failed_at is not None:
                 if self._aborted_epoch != plan.epoch:
                     self._aborted_epoch = plan.epoch
@@ -332,8 +398,16 @@ class ProcessPlacement:
                         handles[s].request_stop.remote(plan.epoch, at, view)
         return self._end_pass(plan, results, lost, seen, host, run, stop)
 
-    def _end_pass(self, plan: GroupPlan, results: dict[int, dict[str, Any]], lost: set[int], seen: int,
-                  host: PlacementHost, run: _RunInfo, stop: View | None) -> PassEnd:
+    def _end_pass(
+        self,
+        plan: GroupPlan,
+        results: dict[int, dict[str, Any]],
+        lost: set[int],
+        seen: int,
+        host: PlacementHost,
+        run: _RunInfo,
+        stop: View | None,
+    ) -> PassEnd:
         tails = sorted((r for r in results.values() if r.get("commits")), key=lambda r: len(r["commits"]))
         if tails:  # the commits not read during the pass, from the member that committed the most
             for step, batch, metrics in tails[-1]["commits"][seen:]:
@@ -344,26 +418,34 @@ class ProcessPlacement:
         self._standby.ran(len(plan.members))
         errors = [r for r in results.values() if r["status"] == "error"]
         if errors:
-            raise ElasticError(f"slice {errors[0]['slice']}'s loop failed: {errors[0]['error']}\n"
-                               f"{errors[0].get('traceback', '')}")
+            raise ElasticError(
+                f"slice {errors[0]['slice']}'s loop failed: {errors[0]['error']}\n{errors[0].get('traceback', '')}"
+            )
         failed = sorted(lost | {s for s, r in results.items() if r["status"] in ("failed", "hung")})
         if failed:
             self._failed_at = time.time()
             self._recovering = True
             self.figures["survivors_lost"] += len(self._collateral(lost - self._targeted(plan, lost)))
             if not lost and all(results[s]["status"] == "hung" for s in failed):
-                raise runtime.StepHungError(f"group {plan.epoch}'s step", self.config.step_timeout_s or 0.0,
-                                            hint=str(results[failed[0]].get("error"))[:300])
-            why = "; ".join(f"slice {s}: " + ("worker process died" if s in lost else str(results[s].get("error"))[:120])
-                            for s in failed[:4])
+                raise runtime.StepHungError(
+                    f"group {plan.epoch}'s step",
+                    self.config.step_timeout_s or 0.0,
+                    hint=str(results[failed[0]].get("error"))[:300],
+                )
+            why = "; ".join(
+                f"slice {s}: " + ("worker process died" if s in lost else str(results[s].get("error"))[:120])
+                for s in failed[:4]
+            )
             raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: group {plan.epoch} broke ({why})")
         first = [r for r in results.values() if r.get("first_commit_at")]
         if self._recovering and first:
             self._recovering = False
             self.figures["recovery_compile_seconds"].append(
-                max(r.get("first_step_compile_seconds") or 0.0 for r in first))
+                max(r.get("first_step_compile_seconds") or 0.0 for r in first)
+            )
             self.figures.setdefault("recovery_first_step", []).append(
-                {k: max((r.get("first_step_phases") or {}).get(k) or 0.0 for r in first) for k in ("to_step", "step")})
+                {k: max((r.get("first_step_phases") or {}).get(k) or 0.0 for r in first) for k in ("to_step", "step")}
+            )
         if all(r["status"] == "finished" for r in results.values()):
             self._final = plan
             return PassEnd()
@@ -384,8 +466,9 @@ class ProcessPlacement:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         return {s for s in lost if self._nodes.get(s) in alive}
 
-    def _commit(self, host: PlacementHost, step: int, batch: int, metrics: dict[str, Any], plan: GroupPlan,
-                run: _RunInfo) -> None:
+    def _commit(
+        self, host: PlacementHost, step: int, batch: int, metrics: dict[str, Any], plan: GroupPlan, run: _RunInfo
+    ) -> None:
         host.on_commit(step, batch, metrics, plan.view, run)
 
     def _progress(self, handles: dict[int, Any], pending: Any, since: int) -> dict[str, Any] | None:
@@ -468,14 +551,16 @@ class ProcessPlacement:
         report.snapshots_taken = lead.get("snapshots_taken", 0)
         report.snapshots_coalesced = lead.get("snapshots_coalesced", 0)
         report.snapshots_failed = lead.get("snapshots_failed", 0)
-        report.snapshot_blocking_seconds = round(max((s.get("blocking_seconds", 0.0)
-                                                      for s in self._snapshots.values()), default=0.0), 4)
+        report.snapshot_blocking_seconds = round(
+            max((s.get("blocking_seconds", 0.0) for s in self._snapshots.values()), default=0.0), 4
+        )
         report.snapshot_held_bytes = sum(s.get("held_bytes", 0) for s in self._snapshots.values())
         report.snapshot_copies = min(2, len(self._members)) if report.snapshot_held_bytes else 0
         ends = [self._snapshots.get(s, {}) for s in self._members]
         latest = [e.get("latest_step") for e in ends]
-        self.figures["snapshot_latest_step"] = (None if not latest or None in latest
-                                                else min(x for x in latest if x is not None))
+        self.figures["snapshot_latest_step"] = (
+            None if not latest or None in latest else min(x for x in latest if x is not None)
+        )
         self.figures["snapshots_dropped"] = max((e.get("snapshots_dropped", 0) for e in ends), default=0)
         keepers = self._keepers()
         if keepers is not None:
@@ -513,7 +598,9 @@ class ProcessPlacement:
         self._stop_service()
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def _ask(self, handles: dict[int, Any], method: str, *, timeout: float, args: tuple[Any, ...] = ()) -> dict[int, Any]:
+    def _ask(
+        self, handles: dict[int, Any], method: str, *, timeout: float, args: tuple[Any, ...] = ()
+    ) -> dict[int, Any]:
         refs = {getattr(h, method).remote(*args): s for s, h in handles.items()}
         return self._collect(refs, timeout=timeout, what=f"the workers to answer {method}")
 
@@ -533,16 +620,19 @@ class ProcessPlacement:
                 missing.append(s)
                 self._died.add(s)
         if missing:
-            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: slice(s) {sorted(missing)} did not answer while waiting "
-                                             f"for {what}")
+            raise jax.errors.JaxRuntimeError(
+                f"UNAVAILABLE: slice(s) {sorted(missing)} did not answer while waiting for {what}"
+            )
         bad = {s: r for s, r in out.items() if isinstance(r, dict) and r.get("status") in ("failed", "error")}
         if bad:
             s, r = next(iter(bad.items()))
             if r["status"] == "error":
-                raise ElasticError(f"slice {s}'s worker failed while waiting for {what}: {r['error']}\n"
-                                   f"{r.get('traceback', '')}")
-            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: slice {s}'s worker failed while waiting for {what}: "
-                                             f"{r['error']}")
+                raise ElasticError(
+                    f"slice {s}'s worker failed while waiting for {what}: {r['error']}\n{r.get('traceback', '')}"
+                )
+            raise jax.errors.JaxRuntimeError(
+                f"UNAVAILABLE: slice {s}'s worker failed while waiting for {what}: {r['error']}"
+            )
         return out
 
     def _kill(self, s: int) -> None:

@@ -7,6 +7,7 @@ the first step may donate it: measured here, adopting the host bytes without a c
 much as it made the first step dearer, which then allocates its outputs). Typed PRNG keys travel as their key data
 and are wrapped back.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,8 +39,15 @@ def layout_of(leaves: Sequence[Any]) -> Layout:
 Pieces = list[tuple[Index, np.ndarray]]
 
 
-def restore_state(abstract: Any, shardings: Any, layout: Layout, *, local: Callable[[int], Pieces],
-                  fetch: Callable[[int, Index, Pieces], Pieces], what: str) -> Any:
+def restore_state(
+    abstract: Any,
+    shardings: Any,
+    layout: Layout,
+    *,
+    local: Callable[[int], Pieces],
+    fetch: Callable[[int, Index, Pieces], Pieces],
+    what: str,
+) -> Any:
     """``abstract``'s state on ``shardings``, each device's region from ``local(leaf)`` pieces when they cover it,
     else with the pieces ``fetch(leaf, region, have)`` brings (what other processes hold of it; ``have``: the
     pieces at hand). Raises ``RuntimeError`` naming ``what`` when they do not cover a region."""

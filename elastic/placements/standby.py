@@ -13,6 +13,7 @@ On CPU the cache keys differ by process index (see :func:`runtime.distributed.re
 writes the entry that worker ``p`` of the real group reads. On GPU the helpers need spare GPU hosts (turn
 ``Processes.standby`` off where there are none: the cache an earlier run wrote still serves).
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,8 +41,9 @@ class StandbyProcess:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-    def compile(self, address: str, size: int, index: int, mesh_fn: Any, calls: Sequence[Call],
-                rendezvous_timeout_s: int) -> dict[str, Any]:
+    def compile(
+        self, address: str, size: int, index: int, mesh_fn: Any, calls: Sequence[Call], rendezvous_timeout_s: int
+    ) -> dict[str, Any]:
         """Join the standby group, compile every call for its mesh, leave; what was compiled, and how long."""
         import cloudpickle
         import jax
@@ -51,8 +53,9 @@ class StandbyProcess:
         start = time.monotonic()
         distributed.reform(address, size, index, timeout_s=rendezvous_timeout_s)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        slices = [runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p))
-                  for p in range(size)]
+        slices = [
+            runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p)) for p in range(size)
+        ]
         mesh = runtime.build_mesh(slices, mesh_fn)
         compiled, skipped = 0, 0
         errors = []
@@ -73,8 +76,17 @@ class StandbyGroup:
     """The driver's side: compiles the recorded calls for a group size in the background, one size at a time (one
     standby group at most exists: its processes share the host with the workers)."""
 
-    def __init__(self, *, cache_dir: str, actor_options: Callable[[], dict[str, Any]], env: dict[str, str],
-                 mesh_fn: Any, rendezvous_timeout_s: int, job: str, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        *,
+        cache_dir: str,
+        actor_options: Callable[[], dict[str, Any]],
+        env: dict[str, str],
+        mesh_fn: Any,
+        rendezvous_timeout_s: int,
+        job: str,
+        timeout_s: float = 300.0,
+    ) -> None:
         self._cache_dir = cache_dir
         self._env = env
         self._options = actor_options
@@ -140,16 +152,23 @@ class StandbyGroup:
                 actors = [remote.options(**self._options()).remote(self._cache_dir, self._env) for _ in range(size)]
                 self._actors = actors
             service = distributed.CoordinationService(size, host=ray.util.get_node_ip_address())
-            refs = [a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s)
-                    for i, a in enumerate(actors)]
+            refs = [
+                a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s)
+                for i, a in enumerate(actors)
+            ]
             results = ray.get(refs, timeout=self._timeout_s)
             with self._cond:
                 self.compiled += results[0]["compiled"]
                 self.skipped += results[0]["skipped"]
                 self.seconds += max(r["seconds"] for r in results)
                 self._done.add(size)
-            self._log.info("standby_compiled", size=size, compiled=results[0]["compiled"],
-                           seconds=round(max(r["seconds"] for r in results), 2), errors=results[0]["errors"])
+            self._log.info(
+                "standby_compiled",
+                size=size,
+                compiled=results[0]["compiled"],
+                seconds=round(max(r["seconds"] for r in results), 2),
+                errors=results[0]["errors"],
+            )
         except Exception as err:  # noqa: BLE001 - an optimisation: a recovery onto this size compiles instead
             if self._closed:  # the job ended first: its helpers were stopped
                 self._log.info("standby_stopped", size=size)

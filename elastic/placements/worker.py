@@ -14,6 +14,7 @@ member's process, keeper parts, Orbax checkpoints written by every worker). A co
 plan. The actor is threaded: the driver's polls, stop requests and the peers' buddy copies are served while
 the loop runs on its own thread.
 """
+
 from __future__ import annotations
 
 import gc
@@ -38,8 +39,8 @@ from elastic.control.report import Ledger
 from elastic.log import get_logger
 from elastic.placements.holdings import Holdings, holders_of, select
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
-from elastic.supervision.membership import View
 from elastic.runtime import distributed
+from elastic.supervision.membership import View
 
 __all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
 
@@ -105,8 +106,9 @@ class GroupPlan:
 class SliceWorker:
     """One slice's process. Wrapped by the placement with ``ray.remote(max_concurrency=...)``."""
 
-    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec, env: dict[str, str] | None = None
+    ) -> None:
         if env:  # before this process's jax backend starts (its devices, the collective timeout)
             distributed.setup_process(env)
         self.slice = slice_index
@@ -151,8 +153,9 @@ class SliceWorker:
     def start(self) -> int:
         """Register with the supervisor and start heartbeating; returns the incarnation."""
         me = ray.get_runtime_context().current_actor
-        ray.get(self._supervisor.register.remote(self.slice, self.incarnation, me),
-                timeout=self._config.startup_timeout_s)
+        ray.get(
+            self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=self._config.startup_timeout_s
+        )
         if not self._started:
             self._started = True
             threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
@@ -224,8 +227,14 @@ class SliceWorker:
         numbers), with the jitted calls recorded for standby compiles once there are some."""
         self._polled = time.monotonic()
         commits = [(s, b, _numbers(m)) for s, b, m in self._commits[since:]]
-        return {"epoch": self._epoch, "next_step": self._next_step, "commits": commits, "pid": os.getpid(),
-                "calls": list(self._calls), "snapshots": self._holdings.stats()}
+        return {
+            "epoch": self._epoch,
+            "next_step": self._next_step,
+            "commits": commits,
+            "pid": os.getpid(),
+            "calls": list(self._calls),
+            "snapshots": self._holdings.stats(),
+        }
 
     def renew(self) -> None:
         """The driver is alive (its lease on this worker's pass; see ``DRIVER_LEASE_S``)."""
@@ -265,15 +274,23 @@ class SliceWorker:
             self._epoch = plan.epoch
             self._commits = []  # a poll of the new group before its pass starts must not read the last pass's commits
         index = plan.members.index(self.slice)
-        out: dict[str, Any] = {"slice": self.slice, "pid": os.getpid(), "epoch": plan.epoch,
-                               "node": ray.get_runtime_context().get_node_id()}
+        out: dict[str, Any] = {
+            "slice": self.slice,
+            "pid": os.getpid(),
+            "epoch": plan.epoch,
+            "node": ray.get_runtime_context().get_node_id(),
+        }
         self._phase("forming", plan)
         try:
-            out["reform_seconds"] = distributed.reform(plan.address, len(plan.members), index,
-                                                       timeout_s=plan.rendezvous_timeout_s, phases=phases)
+            out["reform_seconds"] = distributed.reform(
+                plan.address, len(plan.members), index, timeout_s=plan.rendezvous_timeout_s, phases=phases
+            )
         except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
-            return {**out, "status": "failed", "error": f"the rendezvous of group {plan.epoch} failed: "
-                    f"{type(err).__name__}: {str(err)[:300]}"}
+            return {
+                **out,
+                "status": "failed",
+                "error": f"the rendezvous of group {plan.epoch} failed: {type(err).__name__}: {str(err)[:300]}",
+            }
         self._compile_s = 0.0
         mark = time.monotonic()
         try:
@@ -287,8 +304,12 @@ class SliceWorker:
             state, meta = self._restore(plan, abstract, shardings)
             state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
         except Exception as err:  # noqa: BLE001 - classified by the driver: a lost peer is recovered
-            return {**out, "status": "failed" if distributed.is_peer_loss(err) else "error",
-                    "error": f"{type(err).__name__}: {str(err)[:400]}", "traceback": traceback.format_exc()[-2000:]}
+            return {
+                **out,
+                "status": "failed" if distributed.is_peer_loss(err) else "error",
+                "error": f"{type(err).__name__}: {str(err)[:400]}",
+                "traceback": traceback.format_exc()[-2000:],
+            }
         ledger = Ledger()
         if meta is not None:
             ledger.steps, ledger.batches = Ledger.expand(meta["ledger"])
@@ -299,16 +320,21 @@ class SliceWorker:
         phases["restore"] = time.monotonic() - mark
         phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
         self._begin_tiers(plan, mesh, state)
-        out.update(status="ready", meta=meta, restore_seconds=round(time.monotonic() - start, 3),
-                   phases={k: round(v, 3) for k, v in phases.items()})
+        out.update(
+            status="ready",
+            meta=meta,
+            restore_seconds=round(time.monotonic() - start, 3),
+            phases={k: round(v, 3) for k, v in phases.items()},
+        )
         return out
 
     def _phase(self, name: str, plan: GroupPlan) -> None:
         """A drill's faults placed in a re-formation (only for a process that has trained: ``_next_step`` > 0)."""
         if self._next_step <= 0:
             return
-        context = StepContext(step=self._next_step, slice=self.slice, floor=plan.fault_floor,
-                              supervisor=self._supervisor)
+        context = StepContext(
+            step=self._next_step, slice=self.slice, floor=plan.fault_floor, supervisor=self._supervisor
+        )
         for hook in self._spec.step_hooks:
             phase = getattr(hook, "phase", None)
             if phase is not None:
@@ -316,8 +342,10 @@ class SliceWorker:
 
     def _mesh(self, members: tuple[int, ...]) -> Any:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        slices = [runtime.Slice(index=s, devices=tuple(d for d in devices if d.process_index == p))
-                  for p, s in enumerate(members)]
+        slices = [
+            runtime.Slice(index=s, devices=tuple(d for d in devices if d.process_index == p))
+            for p, s in enumerate(members)
+        ]
         return runtime.build_mesh(slices, self._spec.mesh_fn)
 
     def _restore(self, plan: GroupPlan, abstract: Any, shardings: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -335,11 +363,15 @@ class SliceWorker:
         if plan.source == "persistent":
             from elastic.snapshot.persistent import PersistentTier
 
-            tier = PersistentTier(self._config.tiers.persistent_dir, every=self._config.tiers.persistent_every,  # type: ignore[arg-type]
-                                  job=self._config.job_name)
+            tier = PersistentTier(
+                self._config.tiers.persistent_dir,  # type: ignore[arg-type]
+                every=self._config.tiers.persistent_every,
+                job=self._config.job_name,
+            )
             try:
-                target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                                abstract, shardings)
+                target = jax.tree_util.tree_map(
+                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+                )
                 _, state, meta = tier.load(target, step=step)
             finally:
                 tier.close()
@@ -354,8 +386,14 @@ class SliceWorker:
                 data = keepers.region(plan.keeper, step, leaf, index)
                 return [] if data is None else [(index, data)]
 
-            return restore_state(abstract, shardings, _layout(meta), local=lambda leaf: [], fetch=fetch,
-                                 what=f"step {step} from the keepers"), meta
+            return restore_state(
+                abstract,
+                shardings,
+                _layout(meta),
+                local=lambda leaf: [],
+                fetch=fetch,
+                what=f"step {step} from the keepers",
+            ), meta
         meta = self._holdings.meta(step) or self._ask(plan, lambda peer: peer.meta.remote(step), f"meta of step {step}")
 
         layout = _layout(meta)
@@ -374,8 +412,14 @@ class SliceWorker:
                     break
             return got
 
-        state = restore_state(abstract, shardings, layout, local=lambda leaf: self._holdings.pieces(step, leaf),
-                              fetch=fetch_peer, what=f"step {step} from the group's host snapshots")
+        state = restore_state(
+            abstract,
+            shardings,
+            layout,
+            local=lambda leaf: self._holdings.pieces(step, leaf),
+            fetch=fetch_peer,
+            what=f"step {step} from the group's host snapshots",
+        )
         return state, meta
 
     def _ask(self, plan: GroupPlan, call: Callable[[Any], Any], what: str, *, required: bool = True) -> Any:
@@ -435,8 +479,9 @@ class SliceWorker:
         if self._config.tiers.persistent_dir is not None:
             from elastic.snapshot.persistent import PersistentTier
 
-            self._persistent = PersistentTier(self._config.tiers.persistent_dir,
-                                              every=self._config.tiers.persistent_every, job=self._config.job_name)
+            self._persistent = PersistentTier(
+                self._config.tiers.persistent_dir, every=self._config.tiers.persistent_every, job=self._config.job_name
+            )
 
     def _close_tiers(self, *, timeout_s: float = 300.0) -> None:
         """Close the group's Orbax tier, waiting (up to ``timeout_s``) for a save in flight to end."""
@@ -487,10 +532,17 @@ class SliceWorker:
                 pass
             except Exception as err:  # noqa: BLE001 - classified: a dead peer is recovered, the rest reported
                 kind = runtime.classify_failure(err)
-                status = "hung" if kind is runtime.FailureKind.HUNG else (
-                    "failed" if distributed.is_peer_loss(err) else "error")
-                failure.update(status=status, failed_at=time.time(), error=f"{type(err).__name__}: {str(err)[:400]}",
-                               traceback=traceback.format_exc()[-2000:])
+                status = (
+                    "hung"
+                    if kind is runtime.FailureKind.HUNG
+                    else ("failed" if distributed.is_peer_loss(err) else "error")
+                )
+                failure.update(
+                    status=status,
+                    failed_at=time.time(),
+                    error=f"{type(err).__name__}: {str(err)[:400]}",
+                    traceback=traceback.format_exc()[-2000:],
+                )
             finally:
                 ended.set()
 
@@ -500,8 +552,12 @@ class SliceWorker:
         thread.start()
         ended.wait()
         if aborted.is_set():
-            out.update(status="failed", failed_at=time.time(), aborted=True,
-                       error="aborted: the driver saw a member of the group lost")
+            out.update(
+                status="failed",
+                failed_at=time.time(),
+                aborted=True,
+                error="aborted: the driver saw a member of the group lost",
+            )
         else:
             thread.join()
             out.update(failure)
@@ -530,8 +586,10 @@ class SliceWorker:
             if not first_commit:
                 first_commit.append(time.time())
                 out["first_step_compile_seconds"] = round(self._compile_s, 4)
-                out["first_step_phases"] = {"to_step": round(first_step[0] - began, 3) if first_step else None,
-                                            "step": round(first_commit[0] - (first_step or [began])[0], 3)}
+                out["first_step_phases"] = {
+                    "to_step": round(first_step[0] - began, 3) if first_step else None,
+                    "step": round(first_commit[0] - (first_step or [began])[0], 3),
+                }
 
         def changed(next_step: int) -> View | None:
             with self._lock:
@@ -546,8 +604,10 @@ class SliceWorker:
                 first_step.append(time.time())
             silent = time.monotonic() - self._polled
             if silent > DRIVER_LEASE_S:  # a worker must not train on for a dead driver (Ray ends it soon)
-                raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: the driver has not read this pass's progress for "
-                                                 f"{silent:.1f}s (more than {DRIVER_LEASE_S}s): it is gone or stuck")
+                raise jax.errors.JaxRuntimeError(
+                    f"UNAVAILABLE: the driver has not read this pass's progress for "
+                    f"{silent:.1f}s (more than {DRIVER_LEASE_S}s): it is gone or stuck"
+                )
             if self._spec.step_hooks:
                 context = StepContext(step=step, slice=self.slice, floor=plan.fault_floor, supervisor=self._supervisor)
                 for hook in self._spec.step_hooks:
@@ -561,8 +621,15 @@ class SliceWorker:
             if not aborted.is_set():  # an abandoned pass snapshots nothing (the next group may be restoring)
                 self._save(plan, ledger, next_step, state_, extras_)
 
-        host = PassHost(self._config, save=save, changed=changed,
-                        on_commit=on_commit, before=before, record=record, snapshot_soon=plan.source != "fresh")
+        host = PassHost(
+            self._config,
+            save=save,
+            changed=changed,
+            on_commit=on_commit,
+            before=before,
+            record=record,
+            snapshot_soon=plan.source != "fresh",
+        )
         run = Run(host, view=plan.view, mesh=mesh, state=state, start_step=start, extras=extras)
         del state
         if plan.source == "fresh":
@@ -622,9 +689,9 @@ class SliceWorker:
 
     def save_final(self, path: str) -> None:
         """Write the final state to ``path`` with Orbax (every worker its own shards)."""
-        from elastic.api import orbax_io
-
         from etils import epath
+
+        from elastic.api import orbax_io
 
         orbax_io.save_final(epath.Path(path), self._final)
 

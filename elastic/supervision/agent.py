@@ -5,6 +5,7 @@ notices at once (its lifeline call fails); a hung host stops its heartbeats. The
 :class:`SliceAgent` per slice; a :class:`SliceGroupAgent` holds many slices (e.g. every slice of one
 host) and sends one heartbeat call per interval for all of them.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -13,6 +13,7 @@ from it with HMAC-SHA256 under a label:
 
 :class:`Credentialed` wraps an actor handle so that every ``handle.method.remote(...)`` carries ``token=``.
 """
+
 from __future__ import annotations
 
 import hashlib

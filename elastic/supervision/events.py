@@ -9,7 +9,8 @@ step, step rate, slices, last snapshot and its tier). ``run`` ties the records t
 new client taking a job over keeps its run); the KV key ``<job>/current`` names the newest run.
 
 Bounded: each writer keeps its newest ``keep`` records (``DEFAULT_KEEP``), older ones are deleted as new
-ones land (a reader sees the gap in ``seq``), and a job keeps its newest ``KEEP_RUNS`` runs. A supervisor restarted elsewhere reads its own records back and
+ones land (a reader sees the gap in ``seq``), and a job keeps its newest ``KEEP_RUNS`` runs. A supervisor restarted
+elsewhere reads its own records back and
 continues the sequence. ``delete(job)`` (``elastic cleanup``) removes a job's stream; an embedded cluster's
 stream goes with the cluster, so the CLI also writes a finished run's stream to a directory (``dump``).
 
@@ -18,6 +19,7 @@ Signed: a job's writers hold its stream key (:mod:`elastic.supervision.credentia
 commands drop (and say so) records that do not. The store itself is Ray's: any holder of the cluster token can
 read it or delete keys from it; what the MAC promises is that nothing written by another is taken as the job's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +37,20 @@ from ray.experimental import internal_kv as kv
 
 from elastic.errors import ConfigError
 
-__all__ = ["DEFAULT_KEEP", "EventStream", "current_run", "delete", "dump", "load", "new_run", "read", "parse", "runs",
-           "sign", "verify"]
+__all__ = [
+    "DEFAULT_KEEP",
+    "EventStream",
+    "current_run",
+    "delete",
+    "dump",
+    "load",
+    "new_run",
+    "read",
+    "parse",
+    "runs",
+    "sign",
+    "verify",
+]
 
 NAMESPACE = "elastic-events"
 DEFAULT_KEEP = 50_000  # records per writer (~200 bytes each: ~10 MB per writer at most)
@@ -117,11 +131,15 @@ class EventStream:
         if self._key is not None:
             record = sign(json.loads(json.dumps(record, default=str)), self._key)  # signed as it is stored
         try:
-            kv._internal_kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"),
-                                json.dumps(record, default=str).encode(), namespace=NAMESPACE)
+            kv._internal_kv_put(
+                _key(self.job, self.run, self.writer, f"{seq:012d}"),
+                json.dumps(record, default=str).encode(),
+                namespace=NAMESPACE,
+            )
             if seq >= self.keep:
-                kv._internal_kv_del(_key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"),
-                                    namespace=NAMESPACE)
+                kv._internal_kv_del(
+                    _key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"), namespace=NAMESPACE
+                )
         except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the record is lost, counted
             self.failed += 1
         return record
@@ -136,8 +154,13 @@ class EventStream:
         return verify(records, self._key) if self._key is not None else (records, [])
 
 
-def read(job: str, run: str | None = None, *, writers: Iterable[str] | None = None,
-         after: tuple[float, str, int] | None = None) -> list[dict[str, Any]]:
+def read(
+    job: str,
+    run: str | None = None,
+    *,
+    writers: Iterable[str] | None = None,
+    after: tuple[float, str, int] | None = None,
+) -> list[dict[str, Any]]:
     """The records of ``run`` (default: the current run), merged by (wall, writer, seq); only those of
     ``writers`` if given, only those sorting after ``after`` if given (``events --follow``)."""
     run = run or current_run(job)
@@ -167,9 +190,15 @@ def parse(value: bytes | str) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         return None
     wall, seq = record.get("wall"), record.get("seq")
-    if (not isinstance(wall, (int, float)) or isinstance(wall, bool) or wall != wall
-            or not isinstance(seq, int) or isinstance(seq, bool)
-            or not isinstance(record.get("writer"), str) or not isinstance(record.get("kind"), str)):
+    if (
+        not isinstance(wall, (int, float))
+        or isinstance(wall, bool)
+        or wall != wall
+        or not isinstance(seq, int)
+        or isinstance(seq, bool)
+        or not isinstance(record.get("writer"), str)
+        or not isinstance(record.get("kind"), str)
+    ):
         return None
     return record
 

@@ -1,4 +1,5 @@
 """The membership view the supervisor publishes and clients follow."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 ``decide`` reads no clock and calls no Ray; the supervisor feeds it observations and carries out the
 :class:`Decision` it returns. Every decision carries a readable ``reason``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -10,11 +11,10 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from elastic.errors import ConfigError
-from elastic.validate import count, positive
 from elastic.supervision.membership import HealthEvent, View
+from elastic.validate import count, positive
 
-__all__ = ["Policy", "Decision", "Stay", "Shrink", "Grow", "Wait", "GiveUp", "decide", "healthy_slices",
-           "HealthTally"]
+__all__ = ["Policy", "Decision", "Stay", "Shrink", "Grow", "Wait", "GiveUp", "decide", "healthy_slices", "HealthTally"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +42,6 @@ class Policy:
                 positive("respawn_every_s", self.respawn_every_s)
             except ConfigError as err:
                 raise ConfigError(f"{err}; or None to turn respawning off") from err
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,8 +164,13 @@ def _names(slices: AbstractSet[int]) -> str:
     return ", ".join(str(s) for s in sorted(slices)) or "none"
 
 
-def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float, policy: Policy,
-           coming: AbstractSet[int] = frozenset()) -> Decision:
+def decide(
+    view: View,
+    history: Sequence[HealthEvent] | HealthTally,
+    now: float,
+    policy: Policy,
+    coming: AbstractSet[int] = frozenset(),
+) -> Decision:
     """What the supervisor should do now.
 
     ``history`` is the health events so far, oldest first, or a :class:`HealthTally` of them built for
@@ -189,9 +193,11 @@ def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float,
         deadline = since + policy.repair_timeout_s
         arriving = frozenset(coming) - usable - quarantined
         if arriving and len(usable | arriving) >= policy.min_slices:
-            return Wait(until=max(deadline, now),
-                        reason=f"{len(usable)} usable slice(s) ({_names(usable)}) < min_slices={policy.min_slices}; "
-                        f"replacement(s) for slice(s) {_names(arriving)} starting")
+            return Wait(
+                until=max(deadline, now),
+                reason=f"{len(usable)} usable slice(s) ({_names(usable)}) < min_slices={policy.min_slices}; "
+                f"replacement(s) for slice(s) {_names(arriving)} starting",
+            )
         if now >= deadline:
             return GiveUp(
                 reason=f"only {len(usable)} usable slice(s) ({_names(usable)}) for {now - since:.1f}s, "
@@ -208,8 +214,9 @@ def decide(view: View, history: Sequence[HealthEvent] | HealthTally, now: float,
     if lost:
         extra = f"; slice(s) {_names(back)} back" if back else ""
         held = f" (slice(s) {_names(lost & quarantined)} failed too often)" if lost & quarantined else ""
-        return Shrink(to=frozenset(usable),
-                      reason=f"lost slice(s) {_names(lost)}{held}{extra}: continue on {_names(usable)}")
+        return Shrink(
+            to=frozenset(usable), reason=f"lost slice(s) {_names(lost)}{held}{extra}: continue on {_names(usable)}"
+        )
     if back:
         verb = "joined" if view.epoch == 0 else "back"
         return Grow(to=frozenset(usable), reason=f"slice(s) {_names(back)} {verb}: run on {_names(usable)}")

@@ -23,6 +23,7 @@ heartbeats and views its agents' derived one. Only their SHA-256 digests are kep
 :class:`~elastic.errors.AccessError` and is written to the stream. The records it writes are signed under the
 job's stream key, and a restarted supervisor replays only those that verify.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,9 +36,9 @@ from typing import Any
 import ray
 
 from elastic.errors import AccessError, SupervisorError
+from elastic.log import get_logger
 from elastic.supervision import credential
 from elastic.supervision.events import EventStream
-from elastic.log import get_logger
 from elastic.supervision.membership import HealthEvent, View
 from elastic.supervision.policy import GiveUp, Grow, HealthTally, Policy, Shrink, Stay, Wait, decide
 
@@ -50,8 +51,9 @@ _CLIENT_REPORT = "client report: "  # the cause of a health event from the clien
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Supervisor:
-    def __init__(self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str, token: str | None = None
+    ) -> None:
         self._job = job
         self._policy = policy
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -62,8 +64,9 @@ class Supervisor:
         self._token_digest = credential.digest(token) if token is not None else None
         self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
         self._refusals: dict[str, tuple[int, float]] = {}  # command -> (refusals written, when the last was)
-        self._stream = EventStream(job, run, "supervisor",
-                                   key=credential.derive(token, "stream") if token is not None else None)
+        self._stream = EventStream(
+            job, run, "supervisor", key=credential.derive(token, "stream") if token is not None else None
+        )
         self._view = View()
         self._tally = HealthTally(policy)  # the health history, folded as it grows
         self._beats: dict[int, float] = {}
@@ -103,16 +106,22 @@ class Supervisor:
         re-register within a heartbeat timeout."""
         self._events, forged = self._stream.mine_verified()
         if forged:  # records someone else wrote under this writer's keys: not this job's history
-            self._append({"kind": "forged_records_refused", "count": len(forged),
-                          "seqs": sorted({r["seq"] for r in forged if isinstance(r.get("seq"), int)})[:20]})
+            self._append(
+                {
+                    "kind": "forged_records_refused",
+                    "count": len(forged),
+                    "seqs": sorted({r["seq"] for r in forged if isinstance(r.get("seq"), int)})[:20],
+                }
+            )
             self._log.warning("forged_records_refused", count=len(forged))
         if not self._events:
             return
         wall, now = time.time(), time.monotonic()
         for e in self._events:
             if e["kind"] == "view":
-                self._view = View(epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"],
-                                  reason=e["reason"])
+                self._view = View(
+                    epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"], reason=e["reason"]
+                )
             elif e["kind"] == "health":
                 s, incarnation = e["slice"], e.get("incarnation")
                 at = now - max(0.0, wall - e["wall"])  # the event's wall time, on this process's monotonic clock
@@ -129,8 +138,13 @@ class Supervisor:
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
         self._resume = self._view.epoch > 0
-        self._log.warning("supervisor_rebuilt", epoch=self._view.epoch, active=sorted(self._view.active),
-                          quarantined=sorted(self._tally.quarantined), refused=len(self._revoked))
+        self._log.warning(
+            "supervisor_rebuilt",
+            epoch=self._view.epoch,
+            active=sorted(self._view.active),
+            quarantined=sorted(self._tally.quarantined),
+            refused=len(self._revoked),
+        )
 
     # -- observations --------------------------------------------------------------------------
     def _condition(self) -> asyncio.Condition:
@@ -143,10 +157,17 @@ class Supervisor:
         if self._tally.knows(slice_index) and self._tally.is_healthy(slice_index) == healthy:
             return
         self._tally.add(HealthEvent(time=time.monotonic(), slice=slice_index, healthy=healthy, cause=cause))
-        self._append({"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause,
-                      "incarnation": incarnation})
-        self._log.info("slice_health", slice=slice_index, healthy=healthy, cause=cause, epoch=self._view.epoch,
-                       incarnation=incarnation)
+        self._append(
+            {"kind": "health", "slice": slice_index, "healthy": healthy, "cause": cause, "incarnation": incarnation}
+        )
+        self._log.info(
+            "slice_health",
+            slice=slice_index,
+            healthy=healthy,
+            cause=cause,
+            epoch=self._view.epoch,
+            incarnation=incarnation,
+        )
 
     async def register(self, slice_index: int, incarnation: int, agent: Any, token: str | None = None) -> View:
         """An agent (new, restarted or replacing a lost one) reports its slice healthy.
@@ -189,8 +210,11 @@ class Supervisor:
 
     def _admits(self, slice_index: int, incarnation: int) -> bool:
         """Not closed, not refused, and not older than the slice's newest agent."""
-        return (not self._closed and (slice_index, incarnation) not in self._revoked
-                and incarnation >= self._newest.get(slice_index, incarnation))
+        return (
+            not self._closed
+            and (slice_index, incarnation) not in self._revoked
+            and incarnation >= self._newest.get(slice_index, incarnation)
+        )
 
     async def heartbeat(self, slice_index: int, incarnation: int, token: str | None = None) -> bool:
         """False tells the agent to register again (this supervisor does not know it)."""
@@ -229,11 +253,19 @@ class Supervisor:
             self._refusals[command] = (written + 1, now)
             self._append({"kind": "refused_command", "command": command})
             self._log.warning("command_refused", command=command)
-        raise AccessError(f"{command} refused: it does not carry job {self._job!r}'s credential (only the job's own "
-                          "client, its agents, or an operator holding its token may call it)")
+        raise AccessError(
+            f"{command} refused: it does not carry job {self._job!r}'s credential (only the job's own "
+            "client, its agents, or an operator holding its token may call it)"
+        )
 
-    async def report_lost(self, slices: list[int], cause: str, token: str | None = None,
-                          incarnations: dict[int, int] | None = None, suspect: bool = True) -> View:
+    async def report_lost(
+        self,
+        slices: list[int],
+        cause: str,
+        token: str | None = None,
+        incarnations: dict[int, int] | None = None,
+        suspect: bool = True,
+    ) -> View:
         """A client saw these slices fail (e.g. its computation raised a slice-loss error): their agents are
         refused from now on, even if they still beat. ``incarnations``: the agent of each slice the client saw
         fail (default: the newest; a newer one, a replacement already registering, is not refused).
@@ -360,8 +392,10 @@ class Supervisor:
         decision = decide(self._view, self._tally, time.monotonic(), self._policy, self._arriving())
         renewed = self._renewed()
         if isinstance(decision, Stay) and renewed:  # same slices, but a lost member's agent was replaced
-            decision = Grow(to=self._view.active, reason=f"slice(s) {', '.join(map(str, sorted(renewed)))}: a new "
-                            "agent replaces the lost one")
+            decision = Grow(
+                to=self._view.active,
+                reason=f"slice(s) {', '.join(map(str, sorted(renewed)))}: a new agent replaces the lost one",
+            )
         if isinstance(decision, (Stay, Wait)):
             if isinstance(decision, Wait) and (not self._events or self._events[-1].get("reason") != decision.reason):
                 self._append({"kind": "wait", "reason": decision.reason})
@@ -370,12 +404,14 @@ class Supervisor:
             view = View(epoch=self._view.epoch + 1, active=decision.to, reason=decision.reason)
         else:
             assert isinstance(decision, GiveUp)
-            view = View(epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason,
-                        reason=decision.reason)
+            view = View(
+                epoch=self._view.epoch + 1, active=self._view.active, gave_up=decision.reason, reason=decision.reason
+            )
         self._view = view
         self._view_agents = {s: inc for s in view.active if (inc := self._incarnations.get(s)) is not None}
-        self._append({"kind": "view", "decision": type(decision).__name__, **asdict(view),
-                      "active": sorted(view.active)})
+        self._append(
+            {"kind": "view", "decision": type(decision).__name__, **asdict(view), "active": sorted(view.active)}
+        )
         self._log.info("view_changed", epoch=view.epoch, active=sorted(view.active), reason=view.reason)
         async with self._condition():
             self._condition().notify_all()
@@ -416,7 +452,9 @@ class Supervisor:
             raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill, silence or stop")
         incarnation = self._newest.get(slice_index)
         if incarnation is None or (slice_index, incarnation) in self._revoked:
-            raise SupervisorError(f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})")
+            raise SupervisorError(
+                f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})"
+            )
         name = f"agent-{slice_index}-{incarnation}"
         agent = ray.get_actor(name, namespace=f"elastic-{self._job}")
         self._append({"kind": "inject", "fault": kind, "slice": slice_index, "incarnation": incarnation})
@@ -446,9 +484,14 @@ class Supervisor:
         self._authorize(token, "respawnable")
         if self._closed or self._view.gave_up is not None:
             return {}
-        return {s: incarnation for s, incarnation in self._newest.items()
-                if (s, incarnation) in self._died and (s, incarnation) not in self._client_lost
-                and s not in self._incarnations and s not in self._tally.quarantined}
+        return {
+            s: incarnation
+            for s, incarnation in self._newest.items()
+            if (s, incarnation) in self._died
+            and (s, incarnation) not in self._client_lost
+            and s not in self._incarnations
+            and s not in self._tally.quarantined
+        }
 
     async def wait_for_epoch(self, after: int, timeout_s: float, token: str | None = None) -> View:
         """The view once its epoch exceeds ``after``, or the current view after ``timeout_s``."""
@@ -482,6 +525,11 @@ class Supervisor:
         """This supervisor's process id and Ray node, the CPU seconds its process has used, and how many slices
         it watches (for benchmarks and status reports)."""
         self._authorize(token, "usage")
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "cpu_s": time.process_time(),
-                "slices": len(self._incarnations), "late_beats": self.late_beats,
-                "silent_drops": self.silent_drops}
+        return {
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "cpu_s": time.process_time(),
+            "slices": len(self._incarnations),
+            "late_beats": self.late_beats,
+            "silent_drops": self.silent_drops,
+        }

@@ -1,4 +1,5 @@
 """Small jobs for the integration tests: a tiny model and a loop that records what each step consumed."""
+
 from __future__ import annotations
 
 import jax
@@ -11,21 +12,35 @@ from elastic.demos.demo import batch, init_params, loss_fn
 
 
 def config(job_name: str, **overrides) -> ElasticConfig:
-    base = dict(job_name=job_name, num_slices=4, devices_per_slice=2, num_steps=40, snapshot_every=5,
-                heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, policy=Policy(min_slices=2, repair_timeout_s=30.0))
+    base = dict(
+        job_name=job_name,
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=40,
+        snapshot_every=5,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=Policy(min_slices=2, repair_timeout_s=30.0),
+    )
     base.update(overrides)
     return ElasticConfig(**base)
 
 
 def trainer(job_name: str, faults: Faults | None = None, *, global_batch: int = 48, **overrides) -> Trainer:
-    return Trainer(init_fn=init_params, step_fn=optax_step(loss_fn, optax.adam(1e-2)),
-                   batch_fn=lambda step: batch(step, global_batch), config=config(job_name, **overrides),
-                   faults=faults)
+    return Trainer(
+        init_fn=init_params,
+        step_fn=optax_step(loss_fn, optax.adam(1e-2)),
+        batch_fn=lambda step: batch(step, global_batch),
+        config=config(job_name, **overrides),
+        faults=faults,
+    )
 
 
 def max_abs_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
 
 
 def ledger_job(job_name: str, faults: Faults | None = None, *, on_step=None, **overrides) -> tuple[ElasticJob, object]:
@@ -37,13 +52,19 @@ def ledger_job(job_name: str, faults: Faults | None = None, *, on_step=None, **o
     n = cfg.num_steps
 
     def init(key):
-        return {"applied": jnp.zeros((n,), jnp.int32), "batch_of": jnp.full((n,), -1, jnp.int32),
-                "w": jax.random.normal(key, (8,))}
+        return {
+            "applied": jnp.zeros((n,), jnp.int32),
+            "batch_of": jnp.full((n,), -1, jnp.int32),
+            "w": jax.random.normal(key, (8,)),
+        }
 
     @jax.jit
     def step_fn(state, step, batch_id, batch):
-        return {"applied": state["applied"].at[step].add(1), "batch_of": state["batch_of"].at[step].set(batch_id),
-                "w": state["w"] * 0.99 + batch.mean()}
+        return {
+            "applied": state["applied"].at[step].add(1),
+            "batch_of": state["batch_of"].at[step].set(batch_id),
+            "w": state["w"] * 0.99 + batch.mean(),
+        }
 
     def loop(run: Run):
         state = run.state

@@ -1,4 +1,5 @@
 """Step boundaries belong to run.steps: a membership change never skips the user's code after commit."""
+
 from __future__ import annotations
 
 import jax

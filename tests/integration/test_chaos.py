@@ -3,6 +3,7 @@
 The user target and the user's test file are the chaos guide's own code blocks (docs/guides/chaos.md), written to a
 temp dir.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ def readme_block(first_line: str) -> str:
 
 
 def chaos(*args: str, cwd: Path | None = None) -> dict:
-    proc = subprocess.run([str(ELASTIC), "chaos", "--json", *args], capture_output=True, text=True, timeout=240,
-                          stdin=subprocess.DEVNULL, cwd=cwd, env={**os.environ, "PYTHONPATH": ""})
+    proc = subprocess.run(
+        [str(ELASTIC), "chaos", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
@@ -104,7 +112,8 @@ def test_the_fixture_catches_a_loop_that_breaks_a_promise(elastic_chaos, ray_loc
     assert {"equivalence", "exactly_once"} <= set(broken), result.violations
     v = broken["exactly_once"]
     assert (v.seed, v.index, v.scenario) == (2, 0, "kill") and v.faults == (
-        {"kind": "kill", "at_step": 7, "phase": "mid_step", "slice": 2},)
+        {"kind": "kill", "at_step": 7, "phase": "mid_step", "slice": 2},
+    )
     assert "batches consumed differ" in v.detail and v.replay.endswith("--scenarios kill --index 0")
     assert result.to_dict()["runs"][0]["promises"]["bounded_loss"] == "pass"  # 2 steps redone, within 5
 
@@ -126,8 +135,13 @@ def test_the_pytest_fixture_as_the_readme_shows(chaos_loaded, pytester):
     result.assert_outcomes(passed=1)
 
 
-INSIDE_AND_SUPERVISOR = ["kill_during_restore", "kill_during_reshard", "kill_during_grow", "supervisor_restart",
-                         "supervisor_lost"]
+INSIDE_AND_SUPERVISOR = [
+    "kill_during_restore",
+    "kill_during_reshard",
+    "kill_during_grow",
+    "supervisor_restart",
+    "supervisor_lost",
+]
 
 
 @pytest.mark.timeout(300)
@@ -142,7 +156,10 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
         assert r.injected == len(r.schedule.faults), (name, r.injected, r.schedule.faults)  # each fired in its phase
         assert {p.status for p in r.verdict.promises} <= {"pass", "n/a"}, (name, r.verdict)
     assert {f.phase for name in INSIDE_AND_SUPERVISOR[:3] for f in runs[name].schedule.faults} >= {
-        "restore", "reshard", "grow"}
+        "restore",
+        "reshard",
+        "grow",
+    }
     for name in INSIDE_AND_SUPERVISOR[:4]:
         assert runs[name].recovered and runs[name].record.restores, name
     lost = runs["supervisor_lost"]
@@ -155,8 +172,9 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
 def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(elastic_chaos, ray_local):
     """The pytest plugin on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
     the group re-forms without the first (a survivor lost during the re-formation is one more loss)."""
-    result = elastic_chaos(target="elastic.demos.chaos:process_target", seed=7, schedules=1, steps=20,
-                           scenarios=["kill_while_forming"])
+    result = elastic_chaos(
+        target="elastic.demos.chaos:process_target", seed=7, schedules=1, steps=20, scenarios=["kill_while_forming"]
+    )
     assert result.ok, result.violations
     (run,) = result.results
     assert [f.phase for f in run.schedule.faults] == ["step", "forming"] and run.injected == 2, run.schedule

@@ -2,6 +2,7 @@
 is the run's own device schedule replayed without the failure path (elastic.chaos.replay), compared bit for bit;
 a restored leaf off by 1e-6, a step committed twice and a batch skipped (the library broken on purpose through
 monkeypatched seams) each fail it."""
+
 from __future__ import annotations
 
 import dataclasses

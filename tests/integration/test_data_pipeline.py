@@ -1,6 +1,7 @@
 """A Grain pipeline's position rides in the snapshot: rolled back with the model on a restore, kept on a live
 reshard; every committed step eats the batch a fresh iterator yields at that step, and the model ends where the
 library-free reference does."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,12 @@ def _reference_ids_and_state(job: ElasticJob, consumed: Consumed) -> tuple[dict[
 
 def test_grain_iterator_resumes_exactly_after_a_shrink_with_restore(ray_local):
     consumed = Consumed()
-    job = ElasticJob(config("data-restore", num_steps=20), init_fn=init_state, on_step=consumed,
-                     faults=Faults().kill_slice(2, at_step=8))
+    job = ElasticJob(
+        config("data-restore", num_steps=20),
+        init_fn=init_state,
+        on_step=consumed,
+        faults=Faults().kill_slice(2, at_step=8),
+    )
     with job:
         result = job.run(make_loop(_dataset(), consumed))
     r = result.report
@@ -68,8 +73,12 @@ def test_grain_iterator_keeps_its_position_on_a_live_reshard(ray_local):
         if step in (7, 14):  # hold the step until the client has seen the supervisor's new view
             job._watcher.wait_for(lambda v, e=run.epoch: v.epoch > e, 30, what="the next view")  # noqa: SLF001
 
-    job = ElasticJob(config("data-live", num_steps=20), init_fn=init_state, on_step=on_step,
-                     faults=Faults().silence_agent(1, at_step=6).revive_slice(1, at_step=14))
+    job = ElasticJob(
+        config("data-live", num_steps=20),
+        init_fn=init_state,
+        on_step=on_step,
+        faults=Faults().silence_agent(1, at_step=6).revive_slice(1, at_step=14),
+    )
     loop = make_loop(_dataset(), consumed)
     with job:
         result = job.run(loop)
@@ -100,8 +109,14 @@ def test_an_iterator_without_get_state_is_refused(ray_local):
 def test_the_grain_example_verifies(ray_local):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "elastic.examples.grain_pipeline", "--json", "--verify"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.examples.grain_pipeline", "--json", "--verify"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout[-2000:]

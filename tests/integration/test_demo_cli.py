@@ -1,4 +1,5 @@
 """`elastic demo --json --verify`: the whole story end to end, through the console script."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,22 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-KEYS = {"slices_initial", "slices_final", "min_slices_seen", "failures_injected", "recoveries", "client_restarts",
-        "steps_committed", "steps_recomputed", "duplicate_steps", "skipped_steps", "recovery_seconds", "final_loss",
-        "reference_final_loss", "max_abs_param_diff_vs_reference"}
+KEYS = {
+    "slices_initial",
+    "slices_final",
+    "min_slices_seen",
+    "failures_injected",
+    "recoveries",
+    "client_restarts",
+    "steps_committed",
+    "steps_recomputed",
+    "duplicate_steps",
+    "skipped_steps",
+    "recovery_seconds",
+    "final_loss",
+    "reference_final_loss",
+    "max_abs_param_diff_vs_reference",
+}
 
 
 @pytest.mark.timeout(300)
@@ -20,7 +34,10 @@ def test_demo_json_verify():
     elastic = Path(sys.executable).parent / "elastic"
     proc = subprocess.run(
         [str(elastic), "demo", "--json", "--verify", "--steps", "60", "--kill-at", "23", "--revive-at", "40"],
-        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -30,7 +47,9 @@ def test_demo_json_verify():
     assert out["slices_initial"] == out["slices_final"] == 4 and out["min_slices_seen"] == 3
     assert out["failures_injected"] == 1 and out["recoveries"] == 1 and len(out["recovery_seconds"]) == 1
     assert out["client_restarts"] == 0 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
-    assert out["steps_committed"] == 60 and out["steps_recomputed"] == 2  # 20, 21 since the snapshot at 20 (22 in flight)
+    assert (
+        out["steps_committed"] == 60 and out["steps_recomputed"] == 2
+    )  # 20, 21 since the snapshot at 20 (22 in flight)
     assert out["max_abs_param_diff_vs_reference"] < 1e-4
     events = [e["event"] for e in out["timeline"]]
     for expected in ("inject_kill", "failure", "detected", "restored", "first_step", "inject_revive", "grow"):
@@ -41,9 +60,25 @@ def test_demo_json_verify():
 def test_demo_client_crash_resumes_from_the_keepers():
     elastic = Path(sys.executable).parent / "elastic"
     proc = subprocess.run(
-        [str(elastic), "demo", "--scenario", "client-crash", "--json", "--verify", "--no-progress", "--steps", "40",
-         "--kill-client-at", "27", "--snapshot-every", "5"],
-        capture_output=True, text=True, timeout=360, stdin=subprocess.DEVNULL,
+        [
+            str(elastic),
+            "demo",
+            "--scenario",
+            "client-crash",
+            "--json",
+            "--verify",
+            "--no-progress",
+            "--steps",
+            "40",
+            "--kill-client-at",
+            "27",
+            "--snapshot-every",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -62,9 +97,25 @@ def test_a_sigkilled_multi_process_driver_is_resumed_from_the_keepers():
     takes over the detached supervisor and keepers and resumes there: not from step 0, not from disk."""
     elastic = Path(sys.executable).parent / "elastic"
     proc = subprocess.run(
-        [str(elastic), "demo", "--scenario", "multi-process-driver-crash", "--json", "--verify", "--no-progress",
-         "--steps", "30", "--kill-client-at", "17", "--slices", "3"],
-        capture_output=True, text=True, timeout=360, stdin=subprocess.DEVNULL,
+        [
+            str(elastic),
+            "demo",
+            "--scenario",
+            "multi-process-driver-crash",
+            "--json",
+            "--verify",
+            "--no-progress",
+            "--steps",
+            "30",
+            "--kill-client-at",
+            "17",
+            "--slices",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])

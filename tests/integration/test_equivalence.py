@@ -1,4 +1,5 @@
 """Promise 1: a run with failures ends with the parameters of a failure-free run."""
+
 from __future__ import annotations
 
 import random

@@ -1,4 +1,5 @@
 """Promise 5: bad configuration or input fails at once, says what to fix, and loses nothing saved."""
+
 from __future__ import annotations
 
 import jax
@@ -34,8 +35,11 @@ def test_state_structure_not_matching_shardings_fails_before_anything_starts():
 
 def test_leaf_that_does_not_split_over_the_mesh():
     with pytest.raises(ConfigError, match=r"state leaf \['b'\] of shape \(4,\) does not split"):
-        ElasticJob(config("bad-split"), init_fn=_init,
-                   shardings_fn=lambda mesh: {"w": P(("replica", "local")), "b": P(("replica", "local"))})
+        ElasticJob(
+            config("bad-split"),
+            init_fn=_init,
+            shardings_fn=lambda mesh: {"w": P(("replica", "local")), "b": P(("replica", "local"))},
+        )
 
 
 def test_too_few_devices_names_the_flag():
@@ -75,12 +79,14 @@ def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
         rows = 48 if step != 17 else 47
         return {"x": np.zeros((rows, 16), np.float32), "y": np.zeros((rows - (step == 17), 1), np.float32)}
 
-    from elastic import optax_step
-    from elastic.demos.demo import init_params, loss_fn
     import optax
 
-    trainer = Trainer(init_fn=init_params, step_fn=optax_step(loss_fn, optax.sgd(0.1)), batch_fn=batch_fn,
-                      config=config("bad-batch"))
+    from elastic import optax_step
+    from elastic.demos.demo import init_params, loss_fn
+
+    trainer = Trainer(
+        init_fn=init_params, step_fn=optax_step(loss_fn, optax.sgd(0.1)), batch_fn=batch_fn, config=config("bad-batch")
+    )
     with pytest.raises(ConfigError, match=r"batch_fn\(17\) returned leaves with different leading sizes"):
         trainer.fit()
     snap = trainer.job.latest_snapshot()
@@ -91,19 +97,29 @@ def test_bad_batch_mid_run_surfaces_and_keeps_what_was_saved(ray_local):
 def test_plain_step_fn_with_indivisible_batch_after_shrink_is_refused_when_built(ray_local):
     """8 rows split over 8 devices but not over 6 or 4: refused when the Trainer is built (it learns the size from
     batch_fn(0)), not after the shrink; the message says what to do."""
+
     def step_fn(state, batch):
         return jax.tree_util.tree_map(lambda w: w + batch.mean(), state), {"loss": batch.mean()}
 
     with pytest.raises(ConfigError, match=r"batch_fn\(0\) returned a batch of 8 rows.*elastic.optax_step"):
-        Trainer(init_fn=_init, step_fn=step_fn, batch_fn=lambda step: np.ones((8,), np.float32),
-                config=config("plain-indivisible", num_steps=10), faults=Faults().kill_slice(0, at_step=3))
+        Trainer(
+            init_fn=_init,
+            step_fn=step_fn,
+            batch_fn=lambda step: np.ones((8,), np.float32),
+            config=config("plain-indivisible", num_steps=10),
+            faults=Faults().kill_slice(0, at_step=3),
+        )
 
 
 def test_leaf_that_would_not_split_after_a_shrink_fails_at_once():
     """16 rows split over 8 devices but not over the 6 left after losing a slice (min_slices=3)."""
+
     def init(key):
         return {"w": jnp.zeros((16, 4))}
 
     with pytest.raises(ConfigError, match=r"state leaf \['w'\] of shape \(16, 4\) does not split over the mesh"):
-        ElasticJob(config("shrink-split", policy=Policy(min_slices=3)), init_fn=init,
-                   shardings_fn=lambda mesh: {"w": P(("replica", "local"))})
+        ElasticJob(
+            config("shrink-split", policy=Policy(min_slices=3)),
+            init_fn=init,
+            shardings_fn=lambda mesh: {"w": P(("replica", "local"))},
+        )

@@ -1,5 +1,6 @@
 """The job's event stream lives in Ray's GCS: a supervisor restarted on another node (its node removed for real)
 reads it back, and epochs continue; records are bounded per writer."""
+
 from __future__ import annotations
 
 import time
@@ -9,9 +10,9 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic.config import Policy
 from elastic.supervision import events
 from elastic.supervision.agent import SliceAgent
-from elastic.config import Policy
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 pytestmark = pytest.mark.integration
@@ -42,10 +43,17 @@ def test_the_stream_survives_a_supervisor_restart_on_another_node():
         job = f"ev-node-{uuid.uuid4().hex[:6]}"
         namespace, run = f"elastic-{job}", events.new_run(job)
         sup = Supervisor.options(  # on one of two hosts; Ray restarts it on the other when its host goes
-            name=SUPERVISOR_NAME, namespace=namespace, lifetime="detached", resources={"supervisor_host": 0.01},
+            name=SUPERVISOR_NAME,
+            namespace=namespace,
+            lifetime="detached",
+            resources={"supervisor_host": 0.01},
         ).remote(job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, run)
-        agents = [SliceAgent.options(namespace=namespace, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            head, soft=False)).remote(s, 0, sup, INTERVAL_S, job) for s in range(4)]
+        agents = [
+            SliceAgent.options(
+                namespace=namespace, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)
+            ).remote(s, 0, sup, INTERVAL_S, job)
+            for s in range(4)
+        ]
         ray.get([a.start.remote() for a in agents], timeout=60)
         assert ray.get(sup.start.remote(), timeout=30).epoch == 1
         first = ray.get(sup.usage.remote(), timeout=30)["node"]

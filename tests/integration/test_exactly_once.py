@@ -1,4 +1,5 @@
 """Promises 2 and 3: each step and batch committed exactly once; loss bounded by the snapshot interval."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,9 @@ def test_steps_and_batches_exactly_once_through_shrink_and_grow(ray_local):
 
 @pytest.mark.parametrize("kill_at", [10, 13, 19])
 def test_loss_bounded_by_steps_since_last_snapshot(ray_local, kill_at):
-    job, loop = ledger_job(f"bounded-{kill_at}", Faults().kill_slice(0, at_step=kill_at), snapshot_every=5,
-                           num_steps=25)
+    job, loop = ledger_job(
+        f"bounded-{kill_at}", Faults().kill_slice(0, at_step=kill_at), snapshot_every=5, num_steps=25
+    )
     with job:
         result = job.run(loop)
     last_snapshot = kill_at - kill_at % 5

@@ -1,5 +1,6 @@
 """Flax jobs end to end on a real local Ray: NNX state (typed-key RNG stream, BatchNorm statistics) through a
 shrink, equal to plain NNX on the same devices; the in-place trap refused inside a job; both examples verified."""
+
 from __future__ import annotations
 
 import json
@@ -19,20 +20,35 @@ pytestmark = pytest.mark.integration
 
 
 def _config(job_name: str, **overrides) -> ElasticConfig:
-    base = dict(job_name=job_name, num_slices=4, devices_per_slice=2, num_steps=16, snapshot_every=5,
-                heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, policy=Policy(min_slices=2, repair_timeout_s=30.0))
+    base = dict(
+        job_name=job_name,
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=16,
+        snapshot_every=5,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.5,
+        policy=Policy(min_slices=2, repair_timeout_s=30.0),
+    )
     return ElasticConfig(**{**base, **overrides})
 
 
 @pytest.mark.timeout(120)
 def test_nnx_rng_stream_and_batch_stats_survive_a_shrink(ray_local):
     adapter, placements = example.make_adapter(), Placements()
-    job = ElasticJob(_config("flax-nnx-shrink"), init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn,
-                     faults=Faults().kill_slice(1, at_step=7), on_step=placements)
+    job = ElasticJob(
+        _config("flax-nnx-shrink"),
+        init_fn=adapter.init_fn,
+        shardings_fn=adapter.shardings_fn,
+        faults=Faults().kill_slice(1, at_step=7),
+        on_step=placements,
+    )
     with job:
         result = job.run(example.make_loop(adapter))
     report = result.report
-    assert report.recoveries == 1 and report.slices_final == 3 and report.steps_recomputed == 1  # 5 again (6 was in flight)
+    assert (
+        report.recoveries == 1 and report.slices_final == 3 and report.steps_recomputed == 1
+    )  # 5 again (6 was in flight)
     reference = run_reference(job, placements, example.make_reference_step())  # plain NNX, same devices and steps
     assert example.max_abs_state_diff(result.state, reference) == 0.0
     got, ref_model = adapter.module(result.state), adapter.module(reference)
@@ -54,8 +70,9 @@ def test_run_jit_refuses_the_in_place_step_inside_a_job(ray_local):
     def loop(run):
         run.jit(example.train_step)  # the tutorial's @nnx.jit step, straight into run.jit
 
-    with ElasticJob(_config("flax-nnx-trap", num_steps=4), init_fn=adapter.init_fn,
-                    shardings_fn=adapter.shardings_fn) as job:
+    with ElasticJob(
+        _config("flax-nnx-trap", num_steps=4), init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn
+    ) as job:
         with pytest.raises(ConfigError, match=r"nnx\.jit function.*NnxAdapter"):
             job.run(loop)
 
@@ -63,8 +80,13 @@ def test_run_jit_refuses_the_in_place_step_inside_a_job(ray_local):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module", ["elastic.examples.flax_nnx", "elastic.examples.flax_linen"])
 def test_example_runs_and_verifies(module):
-    proc = subprocess.run([sys.executable, "-m", module, "--json", "--verify"], capture_output=True, text=True,
-                          timeout=110, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--json", "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
@@ -80,9 +102,27 @@ def test_example_runs_and_verifies(module):
 def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
     """The same example with a worker process per slice (slice 1's process SIGKILLed, a new one joining): every leaf
     equals, bit for bit, plain NNX replayed in plain processes over the same slices at the same steps."""
-    proc = subprocess.run([sys.executable, "-m", "elastic.examples.flax_nnx", "--mode", "multi-process", "--json",
-                           "--verify", "--steps", "24", "--kill-at", "7", "--revive-at", "14"], capture_output=True,
-                          text=True, timeout=230, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic.examples.flax_nnx",
+            "--mode",
+            "multi-process",
+            "--json",
+            "--verify",
+            "--steps",
+            "24",
+            "--kill-at",
+            "7",
+            "--revive-at",
+            "14",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["mode"] == "multi-process" and out["max_abs_param_diff_vs_reference"] == 0.0

@@ -2,6 +2,7 @@
 actors) can neither command nor read this job's supervisor, keepers or stream, nor forge what it stores, nor end
 it with ``elastic cleanup``. Each attack is refused, the refusal is an event in the job's stream, and a job
 attacked mid-run ends equal to a run nobody attacked."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +21,11 @@ from elastic import AccessError
 from elastic.cli import main
 from elastic.control.cluster import ActorGroup, cleanup, read_token, token_path
 from elastic.ops.runs import open_run
+from elastic.snapshot.image import checksum, meta_checksum
+from elastic.snapshot.keeper import KeeperTier
 from elastic.supervision import events
 from elastic.supervision.credential import derive
 from elastic.supervision.supervisor import SUPERVISOR_NAME
-from elastic.snapshot.image import checksum, meta_checksum
-from elastic.snapshot.keeper import KeeperTier
 
 from .helpers import config, max_abs_diff, trainer
 from .test_keeper import make_image
@@ -45,8 +46,9 @@ def refused(ref) -> bool:
 def forge(job: str, run: str, writer: str, seq: int, **fields) -> None:
     """What another job can do with the cluster token: put a record under this job's keys in the GCS store."""
     record = {"wall": 1e10, "writer": writer, "seq": seq, **fields}
-    kv._internal_kv_put(f"{job}/{run}/{writer}/{seq:012d}".encode(), json.dumps(record).encode(),
-                        namespace=events.NAMESPACE)
+    kv._internal_kv_put(
+        f"{job}/{run}/{writer}/{seq:012d}".encode(), json.dumps(record).encode(), namespace=events.NAMESPACE
+    )
 
 
 @pytest.fixture
@@ -76,8 +78,10 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
         "report_lost": lambda t: raw.report_lost.remote([1], "not yours", token=t),
         "inject": lambda t: raw.inject.remote("kill", 1, token=t),
         "close": lambda t: raw.close.remote(token=t),
-        "view": lambda t: raw.view.remote(token=t), "events": lambda t: raw.events.remote(token=t),
-        "run_id": lambda t: raw.run_id.remote(token=t), "usage": lambda t: raw.usage.remote(token=t),
+        "view": lambda t: raw.view.remote(token=t),
+        "events": lambda t: raw.events.remote(token=t),
+        "run_id": lambda t: raw.run_id.remote(token=t),
+        "usage": lambda t: raw.usage.remote(token=t),
         "wait_for_epoch": lambda t: raw.wait_for_epoch.remote(0, 0.1, token=t),
         "respawnable": lambda t: raw.respawnable.remote(token=t),
     }
@@ -101,10 +105,21 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
 def test_forged_records_are_not_replayed_and_not_shown(two_jobs, monkeypatch, capsys):
     mine, _ = two_jobs
     job, run = mine._config.job_name, mine.run  # noqa: SLF001
-    forge(job, run, "supervisor", 9_000, kind="view", epoch=50, active=[0], gave_up="forged", reason="forged",
-          decision="GiveUp")
-    forge(job, run, "supervisor", 9_001, kind="refused", slice=2, incarnation=0, cause="agent died", epoch=1,
-          mac="0" * 64)
+    forge(
+        job,
+        run,
+        "supervisor",
+        9_000,
+        kind="view",
+        epoch=50,
+        active=[0],
+        gave_up="forged",
+        reason="forged",
+        decision="GiveUp",
+    )
+    forge(
+        job, run, "supervisor", 9_001, kind="refused", slice=2, incarnation=0, cause="agent died", epoch=1, mac="0" * 64
+    )
     before = ray.get(mine.supervisor.usage.remote(), timeout=30)["pid"]
     mine.kill_supervisor(no_restart=False)  # Ray restarts it: it replays its records
     deadline = time.monotonic() + 60  # ray.kill returns before the process is gone: wait for the new one
@@ -130,8 +145,12 @@ def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, cap
         cleanup(job, purge_events=True, token=other.token)
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "elsewhere"))  # another user: no token file of the job
-    for argv in (["cleanup", "--job-name", job, "--purge-events"], ["status", "--job", job],
-                 ["events", "--job", job], ["status", "--job", job, "--token", other.token]):
+    for argv in (
+        ["cleanup", "--job-name", job, "--purge-events"],
+        ["status", "--job", job],
+        ["events", "--job", job],
+        ["status", "--job", job, "--token", other.token],
+    ):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "credential" in err, (argv, err)
@@ -145,8 +164,13 @@ def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, cap
 def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
     namespace, token = f"elastic-iso-k-{uuid.uuid4().hex[:6]}", "t" * 64
     refusals: list[tuple[str, int, str]] = []
-    tier = KeeperTier(namespace, num_keepers=2, credential=derive(token, "keeper"), image_key=derive(token, "image"),
-                      on_refused=lambda *a: refusals.append(a)).start()
+    tier = KeeperTier(
+        namespace,
+        num_keepers=2,
+        credential=derive(token, "keeper"),
+        image_key=derive(token, "image"),
+        on_refused=lambda *a: refusals.append(a),
+    ).start()
     try:
         tier.push(make_image(10))
         assert tier.wait(30)
@@ -154,8 +178,13 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
         keepers = sorted(tier.handles().items())
         for _, k in keepers:  # another job: no credential, or its own
             for cred in (None, derive("other", "keeper")):
-                for call in (k.latest.remote(token=cred), k.steps.remote(token=cred), k.drop.remote(token=cred),
-                             k.put.remote(make_image(20), token=cred), k.held_bytes.remote(token=cred)):
+                for call in (
+                    k.latest.remote(token=cred),
+                    k.steps.remote(token=cred),
+                    k.drop.remote(token=cred),
+                    k.put.remote(make_image(20), token=cred),
+                    k.held_bytes.remote(token=cred),
+                ):
                     assert refused(call)
         assert tier.latest().step == 10  # nothing was dropped or replaced
         # An image slipped into the first keeper past its gate, checksums recomputed: not sealed by the job.
@@ -163,8 +192,9 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
         data = good.leaves[0].pieces[0].data + 1
         piece = dataclasses.replace(good.leaves[0].pieces[0], data=data, checksum=checksum(data))
         leaf = dataclasses.replace(good.leaves[0], pieces=(piece, *good.leaves[0].pieces[1:]))
-        forged = dataclasses.replace(good, leaves=(leaf, *good.leaves[1:]), meta_checksum=meta_checksum(good.meta),
-                                     mac="0" * 64)
+        forged = dataclasses.replace(
+            good, leaves=(leaf, *good.leaves[1:]), meta_checksum=meta_checksum(good.meta), mac="0" * 64
+        )
         forged.verify()  # it passes the checksums
         ray.get(keepers[0][1].__ray_call__.remote(lambda self, im: self._images.append(im), forged), timeout=30)
         got = tier.latest()
@@ -188,12 +218,26 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
         raw = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
         outcomes["hijack"] = refused(raw.register_slices.remote([(0, 7), (1, 7)], None))
         outcomes["report_lost"] = refused(raw.report_lost.remote([2], "forged"))
-        forge(job, events.current_run(job), "supervisor", 9_000, kind="view", epoch=99, active=[0], gave_up=None,
-              reason="forged", decision="Shrink")
-        keepers = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                   if e["namespace"] == namespace and e["name"].startswith("keeper-")]
+        forge(
+            job,
+            events.current_run(job),
+            "supervisor",
+            9_000,
+            kind="view",
+            epoch=99,
+            active=[0],
+            gave_up=None,
+            reason="forged",
+            decision="Shrink",
+        )
+        keepers = [
+            e["name"]
+            for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == namespace and e["name"].startswith("keeper-")
+        ]
         outcomes["keepers"] = bool(keepers) and all(
-            refused(ray.get_actor(n, namespace=namespace).drop.remote()) for n in keepers)
+            refused(ray.get_actor(n, namespace=namespace).drop.remote()) for n in keepers
+        )
         try:
             cleanup(job, purge_events=True, token="not-the-token")
             outcomes["cleanup"] = False
@@ -222,9 +266,27 @@ def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
     job, token = f"iso-follow-{uuid.uuid4().hex[:6]}", new_token()
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=str(root))
-    proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "events", "--follow", "--follow-for", "90", "--job",
-                             job, "--token", token], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "events",
+            "--follow",
+            "--follow-for",
+            "90",
+            "--job",
+            job,
+            "--token",
+            token,
+        ],
+        env=env,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert "waiting for job" in proc.stderr.readline()  # blocks until the command waits
         key = derive(token, "stream")

@@ -10,6 +10,7 @@ stay in that session) and nothing whose environment or command line names the he
 (the job's driver runs in a session of its own, with RAY_AUTH_TOKEN_PATH under that dir). Whatever is
 left after a bounded wait is SIGKILLed by pid and fails the test.
 """
+
 from __future__ import annotations
 
 import json
@@ -181,24 +182,53 @@ def ray_head():
 
     gcs, dash, client, agent_http, agent_grpc, rt_env, metrics, node_mgr, obj_mgr = _free_ports(9)
     cmd = [
-        str(RAY), "start", "--head", "--block", "--disable-usage-stats",
-        "--temp-dir", str(temp_dir / "ray"),
-        "--port", str(gcs),
-        "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-        "--ray-client-server-port", str(client),
-        "--dashboard-agent-listen-port", str(agent_http),
-        "--dashboard-agent-grpc-port", str(agent_grpc),
-        "--runtime-env-agent-port", str(rt_env),
-        "--metrics-export-port", str(metrics),
-        "--node-manager-port", str(node_mgr),
-        "--object-manager-port", str(obj_mgr),
-        "--min-worker-port", "0", "--max-worker-port", "0",  # 0: each worker gets an OS-chosen port
+        str(RAY),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(temp_dir / "ray"),
+        "--port",
+        str(gcs),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dash),
+        "--ray-client-server-port",
+        str(client),
+        "--dashboard-agent-listen-port",
+        str(agent_http),
+        "--dashboard-agent-grpc-port",
+        str(agent_grpc),
+        "--runtime-env-agent-port",
+        str(rt_env),
+        "--metrics-export-port",
+        str(metrics),
+        "--node-manager-port",
+        str(node_mgr),
+        "--object-manager-port",
+        str(obj_mgr),
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",  # 0: each worker gets an OS-chosen port
     ]
     with open(temp_dir / "head.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    head = RayHead(proc=proc, temp_dir=temp_dir, dashboard_url=f"http://127.0.0.1:{dash}", env=env,
-                   gcs_address=f"127.0.0.1:{gcs}")
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=temp_dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    head = RayHead(
+        proc=proc, temp_dir=temp_dir, dashboard_url=f"http://127.0.0.1:{dash}", env=env, gcs_address=f"127.0.0.1:{gcs}"
+    )
     try:
         deadline = time.monotonic() + HEAD_READY_TIMEOUT_S
         while not (_dashboard_ready(head.dashboard_url, token) and _port_open(agent_http)):
@@ -230,18 +260,28 @@ def _submit(head: RayHead, module: str, *args: str) -> tuple[subprocess.Complete
     """`ray job submit` of ``python -m module *args`` with this repo as working_dir; fails the test unless it
     finishes within SUBMIT_TIMEOUT_S with status 0. The completed process, and its stdout + stderr."""
     cmd = [
-        str(RAY), "job", "submit",
-        "--address", head.dashboard_url,
-        "--working-dir", str(REPO_ROOT),
-        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-        "--", str(PYTHON), "-m", module, *args,
+        str(RAY),
+        "job",
+        "submit",
+        "--address",
+        head.dashboard_url,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps({"excludes": EXCLUDES}),
+        "--",
+        str(PYTHON),
+        "-m",
+        module,
+        *args,
     ]
     try:
-        out = subprocess.run(cmd, env=head.env, cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=SUBMIT_TIMEOUT_S)
+        out = subprocess.run(cmd, env=head.env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"`ray job submit` did not finish within {SUBMIT_TIMEOUT_S}s; output so far:\n"
-                    f"{e.stdout}\n{e.stderr}\nhead log:\n{head.log()}")
+        pytest.fail(
+            f"`ray job submit` did not finish within {SUBMIT_TIMEOUT_S}s; output so far:\n"
+            f"{e.stdout}\n{e.stderr}\nhead log:\n{head.log()}"
+        )
     output = out.stdout + "\n" + out.stderr
     assert out.returncode == 0, f"`ray job submit` exited {out.returncode}:\n{output}\nhead log:\n{head.log()}"
     return out, output
@@ -260,8 +300,9 @@ def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
         assert report["joined_existing_cluster"] is True, report
 
     # The upload really left the git-ignored bulk behind (the job ran from this unpacked copy).
-    packages = [p for p in ray_head.temp_dir.glob("ray/session_*/runtime_resources/working_dir_files/_ray_pkg_*")
-                if p.is_dir()]
+    packages = [
+        p for p in ray_head.temp_dir.glob("ray/session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()
+    ]
     assert packages, "no unpacked working_dir package on the head"
     for pkg in packages:
         assert (pkg / "elastic").is_dir(), sorted(os.listdir(pkg))
@@ -273,8 +314,22 @@ def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
 def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
     """The multi-controller demo as a job: its driver hosts the coordination services, its workers are actors of
     the job; one of three is SIGKILLed and the others re-form in place."""
-    out, output = _submit(ray_head, "elastic.cli", "demo", "--scenario", "multi-process", "--slices", "3",
-                          "--steps", "12", "--kill-at", "5", "--revive-at", "12", "--json")
+    out, output = _submit(
+        ray_head,
+        "elastic.cli",
+        "demo",
+        "--scenario",
+        "multi-process",
+        "--slices",
+        "3",
+        "--steps",
+        "12",
+        "--kill-at",
+        "5",
+        "--revive-at",
+        "12",
+        "--json",
+    )
     reports = [r for r in _json_lines(out.stdout) if "worker_processes_restarted" in r]
     assert reports, f"no JSON report of a multi-process job in the job's output:\n{output}"
     report = reports[-1]
@@ -291,8 +346,15 @@ def test_the_operator_cli_without_the_cluster_token_says_what_to_set(ray_head: R
     env = {k: v for k, v in ray_head.env.items() if not k.startswith("RAY_AUTH")}
     env.update(RAY_ADDRESS=ray_head.gcs_address, PYTHONPATH=str(REPO_ROOT))
     started = time.monotonic()
-    out = subprocess.run([str(PYTHON), "-m", "elastic.cli", "status", "--job", "nobody"], env=env, cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [str(PYTHON), "-m", "elastic.cli", "status", "--job", "nobody"],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     took = time.monotonic() - started
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and 1 <= len(lines) <= 3 and "Traceback" not in out.stderr, out.stderr

@@ -1,4 +1,5 @@
 """The keeper tier holds host images in detached actors that outlive the client and a lost node."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,13 +27,21 @@ def make_image(step: int, *, seed: int = 0) -> HostImage:
     """A two-leaf image: ``w`` (24 x 8 float32) in two row pieces, ``b`` (8 int32) in one."""
     w = np.random.default_rng(seed * 1000 + step).standard_normal((24, 8)).astype(np.float32)
     b = np.arange(8, dtype=np.int32) + step
-    w_pieces = tuple(Piece(index=((r0, r1), (0, 8)), data=w[r0:r1].copy(), checksum=checksum(w[r0:r1]))
-                     for r0, r1 in ((0, 12), (12, 24)))
+    w_pieces = tuple(
+        Piece(index=((r0, r1), (0, 8)), data=w[r0:r1].copy(), checksum=checksum(w[r0:r1]))
+        for r0, r1 in ((0, 12), (12, 24))
+    )
     meta = {"step": step, "ledger": list(range(step)), "rng": np.array([seed, step], np.uint32)}  # arrays too
-    return HostImage(step=step, generation=step, meta=meta, meta_checksum=meta_checksum(meta), leaves=(
-        LeafImage(shape=(24, 8), dtype="float32", pieces=w_pieces),
-        LeafImage(shape=(8,), dtype="int32", pieces=(Piece(index=((0, 8),), data=b, checksum=checksum(b)),)),
-    ))
+    return HostImage(
+        step=step,
+        generation=step,
+        meta=meta,
+        meta_checksum=meta_checksum(meta),
+        leaves=(
+            LeafImage(shape=(24, 8), dtype="float32", pieces=w_pieces),
+            LeafImage(shape=(8,), dtype="int32", pieces=(Piece(index=((0, 8),), data=b, checksum=checksum(b)),)),
+        ),
+    )
 
 
 def corrupted(image: HostImage) -> HostImage:
@@ -40,8 +49,9 @@ def corrupted(image: HostImage) -> HostImage:
     piece = image.leaves[0].pieces[0]
     data = piece.data.copy()
     data.view(np.uint8)[3] ^= 0xFF
-    leaf = dataclasses.replace(image.leaves[0], pieces=(dataclasses.replace(piece, data=data),)
-                               + image.leaves[0].pieces[1:])
+    leaf = dataclasses.replace(
+        image.leaves[0], pieces=(dataclasses.replace(piece, data=data),) + image.leaves[0].pieces[1:]
+    )
     return dataclasses.replace(image, leaves=(leaf,) + image.leaves[1:])
 
 
@@ -156,14 +166,21 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_images_outlive_a_sigkilled_client_and_restore_onto_a_mesh(ray_local):
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from elastic.snapshot.image import restore_image
 
     namespace = f"keeper-test-orphan-{os.getpid()}"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(DRIVER.format(namespace=namespace))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DRIVER.format(namespace=namespace))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     tier = KeeperTier.attach(namespace)
     try:
         assert proc.returncode == -signal.SIGKILL and "pushed" in proc.stdout, proc.stderr[-3000:]

@@ -3,6 +3,7 @@
 A driver process starts its own Ray with a known metrics export port (and a 1 s report interval instead
 of Ray's 10 s), runs a short job that loses slice 1, then holds Ray up until the test has scraped it.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,13 +78,25 @@ def read_report(proc: subprocess.Popen, timeout: float) -> str:
 
 def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
     port = free_port()
-    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "RAY_DISABLE_USAGE_STATS": "1"}
+    env = {
+        **os.environ,
+        "RAY_metrics_report_interval_ms": "1000",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "RAY_DISABLE_USAGE_STATS": "1",
+    }
     env.pop("RAY_ADDRESS", None)
     code = textwrap.dedent(DRIVER.format(port=port, job=JOB, steps=STEPS))
     with open(tmp_path / "driver.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         line = read_report(proc, 75)
         assert line, f"the driver exited ({proc.poll()}): {(tmp_path / 'driver.err').read_text()[-3000:]}"
@@ -93,8 +106,10 @@ def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
         t0, deadline, samples = time.monotonic(), time.monotonic() + 20, {}
         while time.monotonic() < deadline:  # the last commits reach the endpoint within a report interval
             samples = scrape(port)
-            if (samples.get(("ray_elastic_steps_committed_total", frozenset())) == STEPS
-                    and ("ray_elastic_slices_active", frozenset()) in samples):
+            if (
+                samples.get(("ray_elastic_steps_committed_total", frozenset())) == STEPS
+                and ("ray_elastic_slices_active", frozenset()) in samples
+            ):
                 break
             time.sleep(0.2)
         waited = time.monotonic() - t0

@@ -1,4 +1,5 @@
 """Promise 4: every fault ends in recovery or a clear error within a bounded time."""
+
 from __future__ import annotations
 
 import time
@@ -7,8 +8,8 @@ import pytest
 import ray
 
 from elastic import Faults, GiveUpError, Policy
-from elastic.supervision.membership import View
 from elastic.control.watcher import ViewWatcher
+from elastic.supervision.membership import View
 
 from .helpers import ledger_job
 
@@ -37,8 +38,9 @@ def test_dead_agent_is_noticed_at_once(ray_local):
 def test_silent_agent_is_dropped_after_heartbeat_timeout(ray_local):
     job, _ = ledger_job("silent-agent")
     with job:
-        view, took = _view_change_after(job, lambda: ray.get(job.group.agent(3).silence.remote(), timeout=10),
-                                        bound_s=10)
+        view, took = _view_change_after(
+            job, lambda: ray.get(job.group.agent(3).silence.remote(), timeout=10), bound_s=10
+        )
         events = job.group.events()
     assert view.active == frozenset({0, 1, 2}), view
     assert any(e["kind"] == "health" and e["slice"] == 3 and "no heartbeat" in e["cause"] for e in events)
@@ -50,8 +52,9 @@ def test_training_recovers_from_silent_agent(ray_local):
         if step == 10:  # let the supervisor's heartbeat timeout happen mid-run (bounded wait on the event)
             ray.get(job.group.supervisor.wait_for_epoch.remote(run.epoch, 15), timeout=30)
 
-    job, loop = ledger_job("silent-train", Faults().silence_agent(2, at_step=4), num_steps=60,
-                           on_step=hold_until_view_changes)
+    job, loop = ledger_job(
+        "silent-train", Faults().silence_agent(2, at_step=4), num_steps=60, on_step=hold_until_view_changes
+    )
     with job:
         result = job.run(loop)
     r = result.report

@@ -1,5 +1,6 @@
 """The operator's commands: after `elastic demo`, `report --out` draws the run, `events` tells its failure, decision
 and recovery with reasons, `status` says it finished; `status` on a running job shows its slices, epoch and step."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ ELASTIC = Path(sys.executable).parent / "elastic"
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(ELASTIC), *args], capture_output=True, text=True, timeout=240,
-                          stdin=subprocess.DEVNULL, env=env)
+    proc = subprocess.run(
+        [str(ELASTIC), *args], capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -87,6 +89,7 @@ def test_status_of_a_running_job(ray_local, monkeypatch, capsys):
 
 def _held_at(step_to_hold: int, flag: str):  # noqa: ANN202
     """The demo loop, every worker waiting before ``step_to_hold`` until ``flag`` is set in Ray's internal KV."""
+
     def held(run):  # noqa: ANN001, ANN202
         import time
 
@@ -122,8 +125,11 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
 
     flag = f"operator-cli-hold-{os.getpid()}"
     spec = ProcessDemoSpec(steps=30, num_slices=3, job_name="status-processes")
-    job = ElasticJob(process_config(spec, processes=Processes(replace_lost=False)), init_fn=init_state,
-                     faults=Faults().kill_slice(2, at_step=8))
+    job = ElasticJob(
+        process_config(spec, processes=Processes(replace_lost=False)),
+        init_fn=init_state,
+        faults=Faults().kill_slice(2, at_step=8),
+    )
     box: dict = {}
 
     def work() -> None:

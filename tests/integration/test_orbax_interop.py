@@ -1,5 +1,6 @@
 """Orbax interop: a job starts from a user's existing Orbax checkpoint and writes one at the end; bad paths and
 mismatched trees are refused at construction, and nothing already saved is overwritten."""
+
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from elastic import ConfigError, ElasticJob, Faults
-from elastic.demos.demo import batch, init_params, loss_fn
 from elastic.api.orbax_io import checkpoint_step
+from elastic.demos.demo import batch, init_params, loss_fn
 
 from .helpers import config, max_abs_diff
 
@@ -28,8 +29,11 @@ def init_state(key):
 def train_step(state, data):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], data)
     updates, opt = OPT.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
-            "key": jax.random.split(state["key"])[0]}, loss
+    return {
+        "params": optax.apply_updates(state["params"], updates),
+        "opt": opt,
+        "key": jax.random.split(state["key"])[0],
+    }, loss
 
 
 def loop(run):
@@ -60,8 +64,13 @@ def test_a_job_starts_from_an_orbax_checkpoint_survives_a_loss_and_writes_one_at
     root, saved = users_checkpoint(tmp_path)
     assert checkpoint_step(root) == 7
     cfg = config("orbax-interop", num_steps=27)  # the run continues at the checkpoint's step 7, up to step 27
-    job = ElasticJob(cfg, init_fn=init_state, init_from=root, save_final_to=tmp_path / "final",
-                     faults=Faults().kill_slice(2, at_step=12))
+    job = ElasticJob(
+        cfg,
+        init_fn=init_state,
+        init_from=root,
+        save_final_to=tmp_path / "final",
+        faults=Faults().kill_slice(2, at_step=12),
+    )
     with job:
         result = job.run(loop)
     r = job.report

@@ -5,6 +5,7 @@ and a new process for the lost slice joins at a step boundary.
 The first tests need no Ray: the failure classification, the pinned private jaxlib call, and join/leave/reform
 in two plain subprocesses (this test process only hosts the service, so its own jax backend is untouched).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,17 +31,29 @@ def _jax_error(message: str) -> BaseException:
         return err
 
 
-@pytest.mark.parametrize("message, peer_loss", [
-    ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
-     "5000ms for recv operation to complete", True),
-    ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
-     "[127.0.0.1]:42673: Connection reset by peer", True),
-    ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
-     "[127.0.0.1]:43750", True),
-    ("UNAVAILABLE: task 3 heartbeat timeout", True),  # runtime.classify's codes still count
-    ("INVALID_ARGUMENT: shapes (3,) and (4,) do not match", False),
-    ("UNKNOWN: some other runtime failure", False),
-])
+@pytest.mark.parametrize(
+    "message, peer_loss",
+    [
+        (
+            "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+            "Timed out waiting 5000ms for recv operation to complete",
+            True,
+        ),
+        (
+            "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+            "[127.0.0.1]:42673: Connection reset by peer",
+            True,
+        ),
+        (
+            "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+            "[127.0.0.1]:43750",
+            True,
+        ),
+        ("UNAVAILABLE: task 3 heartbeat timeout", True),  # runtime.classify's codes still count
+        ("INVALID_ARGUMENT: shapes (3,) and (4,) do not match", False),
+        ("UNKNOWN: some other runtime failure", False),
+    ],
+)
 def test_peer_loss_classification(message: str, peer_loss: bool) -> None:
     assert distributed.is_peer_loss(_jax_error(message)) is peer_loss
     wrapped = RuntimeError("in the step")
@@ -91,9 +104,16 @@ def test_join_leave_reform_in_the_same_processes() -> None:
     first, second = distributed.CoordinationService(2), distributed.CoordinationService(2)
     try:
         env = dict(os.environ, PYTHONPATH=ROOT)
-        procs = [subprocess.Popen([sys.executable, "-c", _MEMBER, str(i), first.address, second.address],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-                 for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _MEMBER, str(i), first.address, second.address],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
         outs = [p.communicate(timeout=90)[0] for p in procs]
     finally:
         first.stop()
@@ -125,8 +145,13 @@ def test_a_failed_rendezvous_raises_and_the_process_lives_on() -> None:
     process; here the join raises within about twice its timeout and the process joins the next group."""
     broken, next_group = distributed.CoordinationService(2), distributed.CoordinationService(1)
     try:
-        proc = subprocess.run([sys.executable, "-c", _LONELY, broken.address, next_group.address],
-                              capture_output=True, text=True, timeout=90, env=dict(os.environ, PYTHONPATH=ROOT))
+        proc = subprocess.run(
+            [sys.executable, "-c", _LONELY, broken.address, next_group.address],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
     finally:
         broken.stop()
         next_group.stop()
@@ -137,6 +162,7 @@ def test_a_failed_rendezvous_raises_and_the_process_lives_on() -> None:
 
 
 # -- with Ray: real worker processes, one SIGKILLed ---------------------------------------------------------
+
 
 def _run_demo(spec, **overrides):  # noqa: ANN001, ANN202
     from elastic.demos.processes import faults_of, process_config, run_process_demo
@@ -167,8 +193,15 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
     seed = int(os.environ.get("ELASTIC_TEST_SEED", random.SystemRandom().randrange(2**31)))
     rng = random.Random(seed)
     kill_at = rng.randint(1, 10)
-    spec = ProcessDemoSpec(steps=24, num_slices=3, kill_slice=rng.randrange(3), kill_at=kill_at,
-                           revive_at=kill_at + 6, snapshot_every=5, job_name="processes-kill")
+    spec = ProcessDemoSpec(
+        steps=24,
+        num_slices=3,
+        kill_slice=rng.randrange(3),
+        kill_at=kill_at,
+        revive_at=kill_at + 6,
+        snapshot_every=5,
+        job_name="processes-kill",
+    )
     print(f"ELASTIC_TEST_SEED={seed}: slice {spec.kill_slice} killed at step {spec.kill_at}")
     report = _run_demo(spec)
     _check_promises(report, spec)
@@ -219,9 +252,16 @@ def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ra
         return state
 
     def run_job(name: str, faults: Faults | None):  # noqa: ANN202
-        config = ElasticConfig(job_name=name, num_slices=3, devices_per_slice=2, num_steps=16, snapshot_every=4,
-                               policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0),
-                               processes=Processes(replace_lost=False, standby=False))
+        config = ElasticConfig(
+            job_name=name,
+            num_slices=3,
+            devices_per_slice=2,
+            num_steps=16,
+            snapshot_every=4,
+            policy=Policy(min_slices=2),
+            tiers=Tiers(keeper_every=0),
+            processes=Processes(replace_lost=False, standby=False),
+        )
         with ElasticJob(config, init_fn=init, shardings_fn=specs, faults=faults) as job:
             return job.run(loop)
 

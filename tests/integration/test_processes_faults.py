@@ -1,6 +1,7 @@
 """Multi-process mode under the failures that are not one clean SIGKILL: a worker hung inside the step (its process
 stopped, so its peers' collective waits on it), a real Ray node removed with the workers on it and a node added back
 for the group to grow on, and a worker lost together with the holder of its buddy copies."""
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,15 @@ def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) 
     """Slice 1's process is stopped (SIGSTOP: a hung host) at step 6: its heartbeats stop too, so the supervisor
     drops it; the others' collective fails on the gloo timeout; the stopped process is killed and the two
     survivors re-form in place."""
-    spec = ProcessDemoSpec(steps=20, num_slices=3, kill_slice=1, kill_at=6, revive_at=None, snapshot_every=5,
-                           job_name="processes-hung")
-    config = process_config(spec, processes=Processes(replace_lost=False, settle_timeout_s=4.0),
-                            policy=Policy(min_slices=1), heartbeat_timeout_s=2.0)
+    spec = ProcessDemoSpec(
+        steps=20, num_slices=3, kill_slice=1, kill_at=6, revive_at=None, snapshot_every=5, job_name="processes-hung"
+    )
+    config = process_config(
+        spec,
+        processes=Processes(replace_lost=False, settle_timeout_s=4.0),
+        policy=Policy(min_slices=1),
+        heartbeat_timeout_s=2.0,
+    )
     report = run_process_demo(spec, verify=True, config=config, faults=Faults().silence_agent(1, at_step=6))
     _assert_exact(report, spec)
     assert report["workers_hung_killed"] == 1, report["timeline"]
@@ -50,8 +56,15 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
     """Every slice is needed (min_slices = num_slices) and the repair timeout is shorter than a process start: a
     killed worker leaves the job below its floor, but a replacement is on its way, so the supervisor waits for it
     (the view never drops the slice; its new agent gets a new view) and the job finishes exact."""
-    spec = ProcessDemoSpec(steps=16, num_slices=3, kill_slice=1, kill_at=5, revive_at=None, snapshot_every=5,
-                           job_name="processes-below-min")
+    spec = ProcessDemoSpec(
+        steps=16,
+        num_slices=3,
+        kill_slice=1,
+        kill_at=5,
+        revive_at=None,
+        snapshot_every=5,
+        job_name="processes-below-min",
+    )
     config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=0.5))
     report = run_process_demo(spec, verify=True, config=config, faults=Faults().kill_slice(1, at_step=5))
     _assert_exact(report, spec)
@@ -71,8 +84,11 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         spec = ProcessDemoSpec(steps=30, num_slices=4, snapshot_every=5, job_name="processes-node")
-        config = process_config(spec, processes=Processes(resources_per_worker={"trainer_host": 1}),
-                                policy=Policy(min_slices=1, repair_timeout_s=120.0))
+        config = process_config(
+            spec,
+            processes=Processes(resources_per_worker={"trainer_host": 1}),
+            policy=Policy(min_slices=1, repair_timeout_s=120.0),
+        )
         removed: list[int] = []
 
         def remove_at_six(step: int, metrics: dict, run) -> None:  # noqa: ANN001 - on the driver, per commit
@@ -119,8 +135,7 @@ def _held_loop(namespace: str, at_step: int):  # noqa: ANN202
                 supervisor = ray.get_actor("supervisor", namespace=namespace)
                 token = read_token(namespace.removeprefix("elastic-"))
                 deadline = time.monotonic() + 120
-                while (len(ray.get(supervisor.view.remote(token=token)).active) < 4
-                       and time.monotonic() < deadline):
+                while len(ray.get(supervisor.view.remote(token=token)).active) < 4 and time.monotonic() < deadline:
                     time.sleep(0.1)
             state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
             run.commit(state, loss=loss)
@@ -170,11 +185,22 @@ def _sharded_reference(steps: int) -> np.ndarray:
 
 def _sharded_job(name: str, keeper_every: int):  # noqa: ANN202
     # slices 1 and 2 die together at step 8: slice 2 held slice 1's buddy copies
-    config = ElasticConfig(job_name=name, num_slices=4, devices_per_slice=2, num_steps=STEPS, snapshot_every=3,
-                           policy=Policy(min_slices=1), tiers=Tiers(keeper_every=keeper_every),
-                           processes=Processes(replace_lost=False, standby=False))
-    with ElasticJob(config, init_fn=_sharded_init, shardings_fn=_sharded_specs,
-                    faults=Faults().kill_slice(1, at_step=8).kill_slice(2, at_step=8)) as job:
+    config = ElasticConfig(
+        job_name=name,
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=STEPS,
+        snapshot_every=3,
+        policy=Policy(min_slices=1),
+        tiers=Tiers(keeper_every=keeper_every),
+        processes=Processes(replace_lost=False, standby=False),
+    )
+    with ElasticJob(
+        config,
+        init_fn=_sharded_init,
+        shardings_fn=_sharded_specs,
+        faults=Faults().kill_slice(1, at_step=8).kill_slice(2, at_step=8),
+    ) as job:
         return job.run(_sharded_loop)
 
 
@@ -201,12 +227,22 @@ def test_without_keepers_losing_a_shard_and_its_copy_is_a_clear_error(ray_local)
 def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_own_shards(ray_local, tmp_path) -> None:  # noqa: ANN001
     """The same double loss with no keepers but an Orbax tier: every worker wrote its own shards of each checkpoint,
     and the two survivors restore the newest one onto their mesh (tier "persistent")."""
-    config = ElasticConfig(job_name="processes-two-orbax", num_slices=4, devices_per_slice=2, num_steps=STEPS,
-                           snapshot_every=3, policy=Policy(min_slices=1),
-                           tiers=Tiers(keeper_every=0, persistent_dir=str(tmp_path / "ckpt"), persistent_every=3),
-                           processes=Processes(replace_lost=False, standby=False))
-    with ElasticJob(config, init_fn=_sharded_init, shardings_fn=_sharded_specs,
-                    faults=Faults().kill_slice(1, at_step=8).kill_slice(2, at_step=8)) as job:
+    config = ElasticConfig(
+        job_name="processes-two-orbax",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=STEPS,
+        snapshot_every=3,
+        policy=Policy(min_slices=1),
+        tiers=Tiers(keeper_every=0, persistent_dir=str(tmp_path / "ckpt"), persistent_every=3),
+        processes=Processes(replace_lost=False, standby=False),
+    )
+    with ElasticJob(
+        config,
+        init_fn=_sharded_init,
+        shardings_fn=_sharded_specs,
+        faults=Faults().kill_slice(1, at_step=8).kill_slice(2, at_step=8),
+    ) as job:
         result = job.run(_sharded_loop)
     report = result.report
     assert [r["tier"] for r in report.restores] == ["persistent"] and report.restores[0]["step"] in (3, 6)

@@ -1,5 +1,6 @@
 """A normal run is quiet: no Python warning, no Ray notice, nothing of Ray's on stdout (``-v`` and ELASTIC_VERBOSE:
 tests/unit/test_quiet.py)."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,15 @@ def run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTIC_VERBOSE")}
     env.update(PYTHONPATH=root, PYTHONWARNINGS="default", **env_extra)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=200,
-                          stdin=subprocess.DEVNULL, env=env, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -4,6 +4,7 @@ Without ``elastic.control.reaper`` Ray's gcs_server and raylet die with the clie
 but the raylet's children (the dashboard and runtime-env agents, idle workers) and the dashboard keep
 running; the reaper that ``connect()`` starts must end them all, then itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,13 +66,20 @@ def _session_leftovers(session_dir: str, pids: list[list[float]]) -> list[str]:
 def _start_client(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=ROOT, RAY_DISABLE_USAGE_STATS="1")
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-c", CLIENT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CLIENT, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def _clean_up(info: dict) -> None:
     """End what a failed test left (so that it does not burden the next one)."""
     from elastic.control.reaper import reap
+
     known = {}
     for pid, started in info.get("pids", []):
         try:

@@ -1,5 +1,6 @@
 """Respawning (issue 7): with ``Policy.respawn_every_s`` set, a slice whose agent died gets a new agent on its node,
 at most once per ``respawn_every_s``, and rejoins through decide; without it, the slice stays out."""
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,8 @@ from typing import Any
 import pytest
 import ray
 
-from elastic.control.cluster import ActorGroup
 from elastic.config import Policy
+from elastic.control.cluster import ActorGroup
 from elastic.supervision.membership import View
 
 from .helpers import config
@@ -51,8 +52,10 @@ def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
 
     def launch(respawn_every_s: float | None) -> ActorGroup:
         here = ray.get_runtime_context().get_node_id()
-        cfg = config(f"respawn-{uuid.uuid4().hex[:8]}",
-                     policy=Policy(min_slices=2, repair_timeout_s=60.0, respawn_every_s=respawn_every_s))
+        cfg = config(
+            f"respawn-{uuid.uuid4().hex[:8]}",
+            policy=Policy(min_slices=2, repair_timeout_s=60.0, respawn_every_s=respawn_every_s),
+        )
         group = ActorGroup(cfg, agent_nodes={i: here for i in range(4)})
         groups.append(group)
         group.launch()
@@ -65,8 +68,11 @@ def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
         for group in groups:
             group.shutdown()
             namespace = group._config.namespace  # noqa: SLF001
-            until(lambda: not named_actors(namespace), 15,  # noqa: B023 (called before the loop moves on)
-                  f"empty namespace (left: {named_actors(namespace)})")
+            until(
+                lambda: not named_actors(namespace),  # noqa: B023 (called before the loop moves on)
+                15,
+                f"empty namespace (left: {named_actors(namespace)})",
+            )
 
 
 def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):

@@ -1,5 +1,6 @@
 """Standby executables: a recovery onto a mesh compiled ahead compiles nothing; one before the standbys
 are ready still recovers (and says the standby was missing)."""
+
 from __future__ import annotations
 
 import jax

@@ -1,6 +1,7 @@
 """Supervision holes (issue 7): a stalled agent rejoins, a flapping slice stays quarantined across a supervisor
 restart, a supervisor gone for good ends the job with a SupervisorError, and closing a job leaves no actor and
 no file behind."""
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,13 @@ import pytest
 import ray
 
 from elastic import Faults, SupervisorError
-
+from elastic.config import Policy
+from elastic.control.cluster import ActorGroup
+from elastic.control.watcher import ViewWatcher
 from elastic.supervision import events
 from elastic.supervision.agent import SliceAgent
-from elastic.control.cluster import ActorGroup
-from elastic.config import Policy
 from elastic.supervision.membership import View
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
-from elastic.control.watcher import ViewWatcher
 
 from .helpers import config, ledger_job
 
@@ -84,7 +84,8 @@ def supervised(ray_local):
 
     def start(policy: Policy) -> tuple[Any, list[Any], Callable[[int, int], Any]]:
         sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-            job, policy, TIMEOUT_S, INTERVAL_S / 2, run)
+            job, policy, TIMEOUT_S, INTERVAL_S / 2, run
+        )
         supervisors.append(sup)
         agents = [spawn(sup, s, 0) for s in range(4)]
         view = ray.get(sup.start.remote(), timeout=30)
@@ -108,8 +109,11 @@ def test_a_slice_whose_agent_stalls_past_the_heartbeat_timeout_rejoins(supervise
     back = next_view(sup, dropped.epoch, 4 * TIMEOUT_S + 2)
     assert back.active == ALL4 and back.epoch == dropped.epoch + 1, back
     assert "back" in back.reason, back
-    health = [(e["healthy"], e["cause"]) for e in ray.get(sup.events.remote(), timeout=30)
-              if e["kind"] == "health" and e["slice"] == 1]
+    health = [
+        (e["healthy"], e["cause"])
+        for e in ray.get(sup.events.remote(), timeout=30)
+        if e["kind"] == "health" and e["slice"] == 1
+    ]
     assert [ok for ok, _ in health] == [True, False, True], health
     assert "no heartbeat" in health[1][1], health
 
@@ -195,8 +199,9 @@ def test_a_job_whose_supervisor_is_gone_for_good_ends_with_a_supervisor_error(ra
             killed["at"] = time.monotonic()
             job.group.kill_supervisor(no_restart=True)
 
-    job, loop = ledger_job("sup-gone", Faults().kill_slice(2, at_step=6), on_step=kill_supervisor,
-                           recovery_timeout_s=60.0)
+    job, loop = ledger_job(
+        "sup-gone", Faults().kill_slice(2, at_step=6), on_step=kill_supervisor, recovery_timeout_s=60.0
+    )
     with job, pytest.raises(SupervisorError, match="supervisor .*gone"):
         job.run(loop)
     assert time.monotonic() - killed["at"] < 40.0
@@ -204,12 +209,14 @@ def test_a_job_whose_supervisor_is_gone_for_good_ends_with_a_supervisor_error(ra
 
 def test_silence_then_revive_leaves_no_actor(ray_local):
     """Defect 4: the silenced agent replaced by revive_slice does not outlive the job."""
+
     def hold(step, metrics, run):
         if step == 4:  # let the silent agent be dropped before the revive (bounded wait on the event)
             ray.get(job.group.supervisor.wait_for_epoch.remote(run.epoch, 15), timeout=30)
 
-    job, loop = ledger_job("silence-revive", Faults().silence_agent(1, at_step=3).revive_slice(1, at_step=8),
-                           num_steps=16, on_step=hold)
+    job, loop = ledger_job(
+        "silence-revive", Faults().silence_agent(1, at_step=3).revive_slice(1, at_step=8), num_steps=16, on_step=hold
+    )
     with job:
         result = job.run(loop)
     namespace = job.config.namespace
@@ -248,8 +255,11 @@ def test_closing_actors_leaves_no_file_and_no_actor(ray_local):
         group.shutdown()
         until(lambda: exited(pid), 15, "exit of the supervisor's process")  # noqa: B023 (called at once)
         namespace = f"elastic-{job}"
-        until(lambda: not named_actors(namespace), 15,  # noqa: B023 (called at once)
-              f"empty namespace (left: {named_actors(namespace)})")
+        until(
+            lambda: not named_actors(namespace),  # noqa: B023 (called at once)
+            15,
+            f"empty namespace (left: {named_actors(namespace)})",
+        )
         assert not temp_files(job), temp_files(job)
         assert closed_last(job, group.run), events.read(job, group.run)[-3:]
         events.delete(job)
@@ -269,7 +279,6 @@ def test_closing_a_job_leaves_no_file_and_no_actor(ray_local):
     assert not temp_files(name), temp_files(name)
     assert closed_last(name, run)
     events.delete(name)
-
 
 
 def test_a_stopped_agent_is_dropped_within_twice_the_heartbeat_timeout(supervised):
@@ -323,9 +332,12 @@ def test_an_agent_whose_beats_come_late_but_answers_is_not_dropped(ray_local):
     job = f"late-{uuid.uuid4().hex[:8]}"
     namespace, run = f"elastic-{job}", events.new_run(job)
     sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, run)
-    agents = [SliceAgent.options(namespace=namespace).remote(0, 0, sup, INTERVAL_S, job),
-              LateAgent.options(namespace=namespace).remote(1, sup, 1.6 * TIMEOUT_S)]
+        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, run
+    )
+    agents = [
+        SliceAgent.options(namespace=namespace).remote(0, 0, sup, INTERVAL_S, job),
+        LateAgent.options(namespace=namespace).remote(1, sup, 1.6 * TIMEOUT_S),
+    ]
     try:
         ray.get([a.start.remote() for a in agents], timeout=60)
         first = ray.get(sup.start.remote(), timeout=30)

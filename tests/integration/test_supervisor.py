@@ -1,4 +1,5 @@
 """The supervisor outlives its own restart and sees a host die on a real Ray node."""
+
 from __future__ import annotations
 
 import pytest

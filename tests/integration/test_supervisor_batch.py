@@ -1,6 +1,7 @@
 """Batched heartbeats: agents holding many slices each keep them healthy with one call per interval,
 a slice whose beats stop is found within 2 x the heartbeat timeout, and an agent's death loses all of its
 slices at once."""
+
 from __future__ import annotations
 
 import time
@@ -9,9 +10,9 @@ import uuid
 import pytest
 import ray
 
+from elastic.config import Policy
 from elastic.supervision import events
 from elastic.supervision.agent import SliceGroupAgent
-from elastic.config import Policy
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 pytestmark = pytest.mark.integration
@@ -26,9 +27,14 @@ def group(ray_local):
     job = f"batch-{uuid.uuid4().hex[:8]}"
     namespace = f"elastic-{job}"
     sup = Supervisor.options(name=SUPERVISOR_NAME, namespace=namespace).remote(
-        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, events.new_run(job))
-    agents = [SliceGroupAgent.options(namespace=namespace).remote(
-        {s: 0 for s in range(a, SLICES, AGENTS)}, sup, INTERVAL_S, job) for a in range(AGENTS)]
+        job, Policy(min_slices=1), TIMEOUT_S, INTERVAL_S / 2, events.new_run(job)
+    )
+    agents = [
+        SliceGroupAgent.options(namespace=namespace).remote(
+            {s: 0 for s in range(a, SLICES, AGENTS)}, sup, INTERVAL_S, job
+        )
+        for a in range(AGENTS)
+    ]
     try:
         held = ray.get([agent.start.remote() for agent in agents], timeout=60)
         assert sorted(s for slices in held for s in slices) == list(range(SLICES))

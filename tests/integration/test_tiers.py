@@ -1,6 +1,7 @@
 """The snapshot tiers under a job: a crashed client resumed from the keepers, a stopped job resumed from
 Orbax onto another slice count, two slices lost at once. Each keeps exactly-once (the state records
 every step it applied and the batch it ate)."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,15 @@ def crash_a_client(name: str, kill_at: int, tiers: str) -> None:
     """Run a ledger job in a separate driver process that SIGKILLs itself as step ``kill_at`` starts."""
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     code = textwrap.dedent(CLIENT.format(name=name, kill_at=kill_at, tiers=tiers))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
 
 
@@ -76,8 +84,12 @@ def test_a_stopped_job_resumes_from_orbax_on_fewer_slices(ray_local, tmp_path):
     tiers = f"Tiers(keeper_every=0, persistent_dir={str(tmp_path)!r}, persistent_every=10)"
     crash_a_client(name, 23, tiers)
     cleanup(name)  # everything of the first run is gone but its checkpoints
-    job, loop = ledger_job(name, tiers=Tiers(keeper_every=0, persistent_dir=str(tmp_path), persistent_every=10),
-                           num_slices=3, policy=Policy(min_slices=2, repair_timeout_s=30.0))
+    job, loop = ledger_job(
+        name,
+        tiers=Tiers(keeper_every=0, persistent_dir=str(tmp_path), persistent_every=10),
+        num_slices=3,
+        policy=Policy(min_slices=2, repair_timeout_s=30.0),
+    )
     with job:
         result = job.run(loop)
     assert_exactly_once(result)

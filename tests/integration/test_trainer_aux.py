@@ -2,6 +2,7 @@
 to 6 (32 rows: 30 + 2 micro-batches there) and ends with the state of a failure-free run on the same
 device sets: the recomputed steps draw the same dropout masks, and the aux follows the documented
 size-weighted merge on 6 devices."""
+
 from __future__ import annotations
 
 import jax
@@ -20,9 +21,14 @@ def test_aux_and_dropout_survive_a_shrink_like_a_failure_free_run(ray_local):
     opt = bn_step("weighted_mean")
     meshes = {}  # step -> the mesh its committed result was computed on (a recomputed step: the last one)
     cfg = config("aux-shrink", num_steps=12, snapshot_every=5)
-    trainer = Trainer(init_fn=init_params, step_fn=opt, batch_fn=batch, config=cfg,
-                      faults=Faults().kill_slice(2, at_step=8),
-                      on_step=lambda step, metrics, run: meshes.__setitem__(step, run.mesh))
+    trainer = Trainer(
+        init_fn=init_params,
+        step_fn=opt,
+        batch_fn=batch,
+        config=cfg,
+        faults=Faults().kill_slice(2, at_step=8),
+        on_step=lambda step, metrics, run: meshes.__setitem__(step, run.mesh),
+    )
     result = trainer.fit()
     report = result.report
     assert report.recoveries == 1 and report.min_slices_seen == 3

@@ -1,6 +1,7 @@
 """Promise 4 for hangs: a step that makes no progress within ``step_timeout_s`` ends in recovery (or a clear
 error past the retries) within a bounded time, never a silent stall; a slow but progressing first step does
 not trip it."""
+
 from __future__ import annotations
 
 import time
@@ -47,8 +48,9 @@ def _hang_figures(job) -> tuple[float, float]:
 
 
 def test_a_hung_step_with_every_slice_healthy_is_retried_from_the_snapshot(ray_local):
-    job, loop = ledger_job("hang-transient", Faults().hang_step(at_step=12), num_steps=25,
-                           step_timeout_s=STEP_TIMEOUT_S)
+    job, loop = ledger_job(
+        "hang-transient", Faults().hang_step(at_step=12), num_steps=25, step_timeout_s=STEP_TIMEOUT_S
+    )
     with job:
         result = job.run(loop)
     _exactly_once(job, result)
@@ -65,8 +67,9 @@ def test_a_hung_step_with_every_slice_healthy_is_retried_from_the_snapshot(ray_l
 
 
 def test_a_step_hung_on_a_wedged_slice_shrinks_without_it(ray_local):
-    job, loop = ledger_job("hang-wedged", Faults().hang_step(at_step=12, slice=1), num_steps=25,
-                           step_timeout_s=STEP_TIMEOUT_S)
+    job, loop = ledger_job(
+        "hang-wedged", Faults().hang_step(at_step=12, slice=1), num_steps=25, step_timeout_s=STEP_TIMEOUT_S
+    )
     with job:
         result = job.run(loop)
         events = job.group.events()

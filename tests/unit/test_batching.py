@@ -1,4 +1,5 @@
 """Micro-batch plans keep the global batch when it does not divide over the devices."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,9 +69,9 @@ def test_size_weighted_chunk_gradients_equal_full_batch_gradient(batch, devices)
     w = rng.normal(size=(5,))
     full = _mean_grad(x, y, w)
     plan = plan_microbatches(batch, devices)
-    combined = sum(c.size / batch * _mean_grad(x[c.start:c.stop], y[c.start:c.stop], w) for c in plan)
+    combined = sum(c.size / batch * _mean_grad(x[c.start : c.stop], y[c.start : c.stop], w) for c in plan)
     np.testing.assert_allclose(combined, full, rtol=1e-12, atol=1e-12)
     if len(plan) > 1:
         # An unweighted average of chunk gradients is wrong: the weighting is what makes the plan exact.
-        naive = np.mean([_mean_grad(x[c.start:c.stop], y[c.start:c.stop], w) for c in plan], axis=0)
+        naive = np.mean([_mean_grad(x[c.start : c.stop], y[c.start : c.stop], w) for c in plan], axis=0)
         assert not np.allclose(naive, full)

@@ -1,18 +1,20 @@
 """Chaos schedules: replayable from (seed, index), valid for elastic.Faults, covering the catalogue, and a
 violation that says how to replay it."""
+
 from __future__ import annotations
 
 import pytest
 
 from elastic.chaos.catalogue import CATALOGUE, JobShape, applicable, schedule, schedules
+from elastic.chaos.invariants import RunRecord, check
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.config import ElasticConfig, Policy, Tiers
 from elastic.errors import ConfigError
-from elastic.chaos.invariants import RunRecord, check
 
 DEMO = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True)
-MULTI = JobShape(num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True, multi=True,
-                 replaces=True)
+MULTI = JobShape(
+    num_slices=4, min_slices=2, num_steps=40, snapshot_every=5, survives_two=True, multi=True, replaces=True
+)
 SP = len(applicable(DEMO))
 
 
@@ -26,8 +28,15 @@ def test_consecutive_schedules_cover_the_catalogue():
     names = {s.scenario for s in schedules(3, SP, DEMO)}
     assert names == {s.name for s in CATALOGUE if not s.name.startswith(("kill_in_", "kill_while_", "kill_with_"))}
     multi = {s.scenario for s in schedules(3, len(applicable(MULTI)), MULTI)}
-    assert {"kill_in_collective", "kill_while_forming", "kill_while_restoring", "kill_with_buddy", "silence",
-            "kill", "two_at_once"} <= multi
+    assert {
+        "kill_in_collective",
+        "kill_while_forming",
+        "kill_while_restoring",
+        "kill_with_buddy",
+        "silence",
+        "kill",
+        "two_at_once",
+    } <= multi
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -47,13 +56,20 @@ def test_schedules_are_valid_faults_and_expect_a_give_up_only_below_min_slices(s
 
 
 def test_the_job_shape_limits_the_scenarios():
-    config = ElasticConfig(num_slices=2, devices_per_slice=2, num_steps=30, policy=Policy(min_slices=2),
-                           tiers=Tiers(keeper_every=0))
+    config = ElasticConfig(
+        num_slices=2, devices_per_slice=2, num_steps=30, policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0)
+    )
     shape = JobShape.of(config)
     assert not shape.survives_two and shape.spare == 0
     drawn = schedules(1, 20, shape)
-    assert {s.scenario for s in drawn} == {"every_slice", "transient", "straggler", "corrupt", "hang",
-                                                 "supervisor_lost"}
+    assert {s.scenario for s in drawn} == {
+        "every_slice",
+        "transient",
+        "straggler",
+        "corrupt",
+        "hang",
+        "supervisor_lost",
+    }
     assert all(f.slice is None for s in drawn for f in s.faults if f.kind == "hang")  # no slice to spare
     assert {s.scenario for s in schedules(1, 4, DEMO, ["kill", "silence"])} == {"kill", "silence"}
     with pytest.raises(ConfigError, match="unknown chaos scenario"):
@@ -65,12 +81,29 @@ def test_the_job_shape_limits_the_scenarios():
 def test_a_violation_names_its_schedule_and_how_to_replay_it():
     plan = schedule(7, 2, DEMO)
     twice = (0, 1, 1, 2, 3)
-    bad = RunRecord(num_steps=4, snapshot_every=2, steps=twice, batches=twice, executed=twice, latest_snapshot_step=4,
-                    snapshots_dropped=0, bound_s=10.0)
-    ref = RunRecord(num_steps=4, snapshot_every=2, steps=(0, 1, 2, 3), batches=(0, 1, 2, 3), executed=(0, 1, 2, 3),
-                    latest_snapshot_step=4, snapshots_dropped=0, bound_s=10.0)
-    one = ScheduleResult(schedule=plan, record=bad, injected=1, verdict=check(bad, ref),
-                         replay="elastic chaos --seed 7 --index 2")
+    bad = RunRecord(
+        num_steps=4,
+        snapshot_every=2,
+        steps=twice,
+        batches=twice,
+        executed=twice,
+        latest_snapshot_step=4,
+        snapshots_dropped=0,
+        bound_s=10.0,
+    )
+    ref = RunRecord(
+        num_steps=4,
+        snapshot_every=2,
+        steps=(0, 1, 2, 3),
+        batches=(0, 1, 2, 3),
+        executed=(0, 1, 2, 3),
+        latest_snapshot_step=4,
+        snapshots_dropped=0,
+        bound_s=10.0,
+    )
+    one = ScheduleResult(
+        schedule=plan, record=bad, injected=1, verdict=check(bad, ref), replay="elastic chaos --seed 7 --index 2"
+    )
     result = ChaosResult(seed=7, target="t:f", results=(one,), reference=ref, reference_verdict=check(ref))
     assert not result.ok and result.recovered == 0
     out = result.to_dict()
@@ -88,8 +121,9 @@ def test_hang_schedules_go_through_faults_and_wedge_a_slice_only_where_one_can_b
         (hang,) = [f for f in s.faults if f.kind == "hang"]
         assert hang.phase == "step" and 1 <= hang.at_step < DEMO.num_steps // 2
         planned = s.plan().faults
-        assert [(f.kind, f.slice, f.at_step) for f in planned if f.kind == "hang"] == [("hang", hang.slice,
-                                                                                       hang.at_step)]
+        assert [(f.kind, f.slice, f.at_step) for f in planned if f.kind == "hang"] == [
+            ("hang", hang.slice, hang.at_step)
+        ]
         assert s.seams() == ()  # elastic.Faults carries it out (and a revive), not the runner's seams
         revives = [f for f in s.faults if f.kind == "revive"]
         assert all(hang.slice is not None and r.slice == hang.slice and r.at_step > hang.at_step for r in revives)
@@ -102,8 +136,7 @@ def test_extending_the_catalogue_keeps_the_earlier_draws():
     first = [s.name for s in CATALOGUE if s.since == 1]
     assert "hang" not in first and len(first) < len(CATALOGUE)
     for seed in range(10):
-        assert schedules(seed, len(first), DEMO) == [
-            schedule(seed, i, DEMO, first) for i in range(len(first))]
+        assert schedules(seed, len(first), DEMO) == [schedule(seed, i, DEMO, first) for i in range(len(first))]
         assert schedule(seed, len(first), DEMO).scenario == "hang"  # then the later ones
     # the draws other tests rely on (tests/integration/test_chaos.py: seed 8 begins with these two)
     assert [s.scenario for s in schedules(8, 2, DEMO)] == ["kill", "corrupt"]

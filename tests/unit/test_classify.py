@@ -1,4 +1,5 @@
 """Which errors mean a lost slice: ``runtime.classify``."""
+
 from __future__ import annotations
 
 import jax
@@ -17,8 +18,11 @@ CASES = [
     ("unavailable-socket", Jre("UNAVAILABLE: failed to send RPC: Socket closed"), LOSS),
     ("aborted", Jre("ABORTED: Collective operation all-reduce.3 aborted because a peer task died"), LOSS),
     ("internal-tpu-halted", Jre("INTERNAL: TPU halted unexpectedly: chip 2 core 0 reported a fatal error"), LOSS),
-    ("internal-failed-to-connect", Jre("INTERNAL: failed to connect to all addresses; last error: 10.0.0.7:8476"),
-     LOSS),
+    (
+        "internal-failed-to-connect",
+        Jre("INTERNAL: failed to connect to all addresses; last error: 10.0.0.7:8476"),
+        LOSS,
+    ),
     ("internal-heartbeat", Jre("INTERNAL: Missed heartbeat from task /job:worker/task:2"), LOSS),
     ("internal-connection-reset", Jre("INTERNAL: Connection reset by peer while streaming buffers"), LOSS),
     ("internal-barrier", Jre("INTERNAL: Barrier timed out. Id: sync_devices; 1 of 4 tasks did not arrive"), LOSS),
@@ -28,10 +32,15 @@ CASES = [
     # A step that made no progress within step_timeout_s (the step watchdog): recovered, but not a slice loss.
     ("step-hung", StepHungError("step 12", 30.0, pending=3, total=3), HUNG),
     # Not a slice loss: bugs, bad input, memory.
-    ("invalid-argument", Jre("INVALID_ARGUMENT: Argument does not match host shape or layout of computation "
-                             "parameter 0: want f32[8,4], got f32[8,3]"), OTHER),
-    ("resource-exhausted", Jre("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."),
-     OTHER),
+    (
+        "invalid-argument",
+        Jre(
+            "INVALID_ARGUMENT: Argument does not match host shape or layout of computation "
+            "parameter 0: want f32[8,4], got f32[8,3]"
+        ),
+        OTHER,
+    ),
+    ("resource-exhausted", Jre("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."), OTHER),
     ("internal-compiler-bug", Jre("INTERNAL: some compiler bug: RET_CHECK failure hlo_instruction.cc:1234"), OTHER),
     ("internal-halting-is-not-halted", Jre("INTERNAL: while loop halting condition has wrong shape"), OTHER),
     ("failed-precondition", Jre("FAILED_PRECONDITION: Buffer has been deleted or donated."), OTHER),

@@ -1,6 +1,7 @@
 """The operator CLI in ordinary use: every failure is a line or two on stderr and an exit status (2 usage, 1 runtime),
 never a traceback; a pipe closed early ends quietly; the same flags everywhere; no ``None`` in status; counts exact;
 the demo's summary is a table."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
 
 
-def elastic(*args: str, stdin=subprocess.DEVNULL, env_extra: dict[str, str] | None = None,
-            shell: str | None = None) -> subprocess.CompletedProcess[str]:
+def elastic(
+    *args: str, stdin=subprocess.DEVNULL, env_extra: dict[str, str] | None = None, shell: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=str(ROOT), **(env_extra or {}))
     cmd = ["bash", "-o", "pipefail", "-c", shell] if shell else [sys.executable, "-m", "elastic.cli", *args]
@@ -43,14 +45,26 @@ def record(at: float, writer: str, kind: str, seq: int = 0, **fields) -> dict:
 
 
 def finished_run(steps: int = 200) -> list[dict]:
-    return [record(0, "job", "run_started", job="j", run="r"),
-            record(1, "supervisor", "view", epoch=1, active=[0, 1], decision="Grow", reason="start", gave_up=None),
-            record(2, "client-1", "progress", 1, step=50, steps_per_s=None, slices=[0, 1], epoch=1,
-                   snapshot_step=None, snapshot_tier=None),
-            record(3, "supervisor", "inject", 1, fault="kill", slice=1, incarnation=0),
-            record(3.1, "supervisor", "health", 2, slice=1, healthy=False, cause="agent died", incarnation=0),
-            record(9, "client-1", "timeline", 2, t=8.0, event="finished", steps=steps),
-            record(10, "supervisor", "closed", 3)]
+    return [
+        record(0, "job", "run_started", job="j", run="r"),
+        record(1, "supervisor", "view", epoch=1, active=[0, 1], decision="Grow", reason="start", gave_up=None),
+        record(
+            2,
+            "client-1",
+            "progress",
+            1,
+            step=50,
+            steps_per_s=None,
+            slices=[0, 1],
+            epoch=1,
+            snapshot_step=None,
+            snapshot_tier=None,
+        ),
+        record(3, "supervisor", "inject", 1, fault="kill", slice=1, incarnation=0),
+        record(3.1, "supervisor", "health", 2, slice=1, healthy=False, cause="agent died", incarnation=0),
+        record(9, "client-1", "timeline", 2, t=8.0, event="finished", steps=steps),
+        record(10, "supervisor", "closed", 3),
+    ]
 
 
 def test_inject_without_yes_and_no_terminal_is_refused_in_one_line():
@@ -70,8 +84,9 @@ def test_an_unreachable_cluster_is_one_line_within_seconds():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.monotonic()
-    proc = elastic("status", "--job", "x", env_extra={"RAY_ADDRESS": f"127.0.0.1:{port}",
-                                                      "ELASTIC_CONNECT_TIMEOUT_S": "2"})
+    proc = elastic(
+        "status", "--job", "x", env_extra={"RAY_ADDRESS": f"127.0.0.1:{port}", "ELASTIC_CONNECT_TIMEOUT_S": "2"}
+    )
     assert_clear(proc, 1, "no Ray cluster answered")
     assert time.monotonic() - started < 8
 
@@ -123,10 +138,23 @@ def test_a_failure_is_one_line_and_the_traceback_comes_with_v(tmp_path, capsys, 
 
 
 def test_the_demo_summary_is_a_short_table():
-    out = {"slices_initial": 4, "min_slices_seen": 3, "slices_final": 4, "steps_committed": 150, "wall_seconds": 30.0,
-           "failures_injected": 1, "recoveries": 1, "recovery_seconds": [1.25], "grows": 1,
-           "restores": [{"step": 50, "tier": "memory"}], "snapshots_taken": 15, "snapshot_blocking_seconds": 0.1,
-           "final_loss": 0.1, "max_abs_param_diff_vs_reference": 0.0, "timeline": [{"t": 0, "event": "started"}]}
+    out = {
+        "slices_initial": 4,
+        "min_slices_seen": 3,
+        "slices_final": 4,
+        "steps_committed": 150,
+        "wall_seconds": 30.0,
+        "failures_injected": 1,
+        "recoveries": 1,
+        "recovery_seconds": [1.25],
+        "grows": 1,
+        "restores": [{"step": 50, "tier": "memory"}],
+        "snapshots_taken": 15,
+        "snapshot_blocking_seconds": 0.1,
+        "final_loss": 0.1,
+        "max_abs_param_diff_vs_reference": 0.0,
+        "timeline": [{"t": 0, "event": "started"}],
+    }
     lines = summary_lines(out)
     assert len(lines) <= 12 and not any("{" in line for line in lines), lines
     text = "\n".join(lines)

@@ -1,4 +1,5 @@
 """Configuration validation and the pickling of every public error."""
+
 from __future__ import annotations
 
 import math
@@ -7,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
+from elastic.api.run import batch_rows
 from elastic.config import ElasticConfig, Policy, Tiers, check_batch_splits
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError, SupervisorError
-from elastic.api.run import batch_rows
 from elastic.runtime.guard import StepHungError
 from elastic.runtime.reshard import StructureError
 from elastic.runtime.topology import TopologyError
@@ -55,12 +56,21 @@ TIERS_BAD = [
 ]
 
 CONFIG_BAD = [
-    ("min-slices-above-num-slices", {"num_slices": 2, "policy": Policy(min_slices=3)},
-     ("min_slices=3", "num_slices=2", "lower min_slices to at most 2")),
-    ("heartbeat-timeout-equals-interval", {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.0},
-     ("heartbeat_timeout_s", "heartbeat_interval_s", "must exceed")),
-    ("heartbeat-timeout-below-interval", {"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 0.5},
-     ("heartbeat_timeout_s", "heartbeat_interval_s", "must exceed")),
+    (
+        "min-slices-above-num-slices",
+        {"num_slices": 2, "policy": Policy(min_slices=3)},
+        ("min_slices=3", "num_slices=2", "lower min_slices to at most 2"),
+    ),
+    (
+        "heartbeat-timeout-equals-interval",
+        {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.0},
+        ("heartbeat_timeout_s", "heartbeat_interval_s", "must exceed"),
+    ),
+    (
+        "heartbeat-timeout-below-interval",
+        {"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 0.5},
+        ("heartbeat_timeout_s", "heartbeat_interval_s", "must exceed"),
+    ),
     ("heartbeat-interval-zero", {"heartbeat_interval_s": 0.0}, ("heartbeat_interval_s", "positive")),
     ("startup-timeout-negative", {"startup_timeout_s": -5.0}, ("startup_timeout_s", "positive")),
     ("recovery-timeout-zero", {"recovery_timeout_s": 0}, ("recovery_timeout_s", "positive")),
@@ -149,8 +159,10 @@ def test_config_rejects(kwargs, words):
         pytest.param({"num_steps": 1, "snapshot_every": 1, "keep_snapshots": 1}, id="smallest"),
         pytest.param({"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.11}, id="timeout-just-above"),
         pytest.param({"max_transient_retries": 0}, id="no-retries"),
-        pytest.param({"heartbeat_interval_s": 1, "heartbeat_timeout_s": 5, "startup_timeout_s": 30,
-                      "recovery_timeout_s": 60}, id="whole-second-durations-as-ints"),
+        pytest.param(
+            {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 5, "startup_timeout_s": 30, "recovery_timeout_s": 60},
+            id="whole-second-durations-as-ints",
+        ),
         pytest.param({"startup_timeout_s": np.float64(30.0)}, id="numpy-float-duration"),
         pytest.param({"seed": -1}, id="negative-seed"),
         pytest.param({"seed": 2**63 - 1}, id="largest-seed"),
@@ -195,8 +207,13 @@ def test_check_batch_splits(num_slices, per_slice, min_slices, rows, counts, bad
     with pytest.raises(ConfigError) as info:
         check_batch_splits(rows, cfg, what="a batch")
     msg = str(info.value)
-    for w in (f"a batch of {rows} rows", f"split over {bad} devices", sizes, "elastic.optax_step",
-              f"policy.min_slices={min_slices}"):
+    for w in (
+        f"a batch of {rows} rows",
+        f"split over {bad} devices",
+        sizes,
+        "elastic.optax_step",
+        f"policy.min_slices={min_slices}",
+    ):
         assert w in msg, f"{msg!r} lacks {w!r}"
     assert ("raise policy.min_slices" in msg) == (len(counts) > 1)
 

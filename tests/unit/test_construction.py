@@ -1,4 +1,5 @@
 """Bad input fails when the job is built (no Ray, no training), with a ConfigError that says what to fix."""
+
 from __future__ import annotations
 
 import jax
@@ -16,8 +17,7 @@ from elastic.runtime.mesh import build_mesh
 
 
 def _config(**overrides) -> ElasticConfig:
-    base = dict(job_name="construction", num_slices=4, devices_per_slice=2, num_steps=10,
-                policy=Policy(min_slices=3))
+    base = dict(job_name="construction", num_slices=4, devices_per_slice=2, num_steps=10, policy=Policy(min_slices=3))
     base.update(overrides)
     return ElasticConfig(**base)
 
@@ -47,10 +47,13 @@ def test_a_good_job_builds(build):
     assert job.topology.num_slices == 4
 
 
-@pytest.mark.parametrize("init_fn", [
-    pytest.param(lambda key: None, id="none"),
-    pytest.param(lambda key: {"params": None, "opt": ()}, id="no-array-leaves"),
-])
+@pytest.mark.parametrize(
+    "init_fn",
+    [
+        pytest.param(lambda key: None, id="none"),
+        pytest.param(lambda key: {"params": None, "opt": ()}, id="no-array-leaves"),
+    ],
+)
 def test_state_without_array_leaves(build, init_fn):
     with pytest.raises(ConfigError, match="init_fn.*no array leaves"):
         build(init_fn=init_fn)
@@ -62,8 +65,11 @@ def test_init_fn_not_callable(build):
 
 
 SPECS_BAD = [
-    ("unknown-axis", {"w": P("model"), "b": P()},
-     (r"state leaf ['w'] of shape (24, 4)", "'model'", "('replica', 'local')")),
+    (
+        "unknown-axis",
+        {"w": P("model"), "b": P()},
+        (r"state leaf ['w'] of shape (24, 4)", "'model'", "('replica', 'local')"),
+    ),
     ("unknown-axis-in-tuple", {"w": P(("replica", "data")), "b": P()}, ("['w']", "'data'", "('replica', 'local')")),
     ("more-entries-than-dims", {"w": P(), "b": P(None, "local")}, ("['b'] of shape (4,)", "2 entries", "1 dimension")),
     ("duplicate-axis", {"w": P("replica", "replica"), "b": P()}, ("['w']", "'replica' more than once")),
@@ -107,8 +113,12 @@ def test_trainer_checks_the_global_batch_unless_it_microbatches(monkeypatch):
     params = lambda key: {"w": jnp.zeros((4,))}  # noqa: E731
     batch_fn = lambda step: np.zeros((40, 4), np.float32)  # noqa: E731
     cfg = _config(global_batch_size=40)
-    Trainer(init_fn=params, step_fn=optax_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1)),
-            batch_fn=batch_fn, config=cfg).job.close()
+    Trainer(
+        init_fn=params,
+        step_fn=optax_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1)),
+        batch_fn=batch_fn,
+        config=cfg,
+    ).job.close()
     with pytest.raises(ConfigError, match="over 6 devices"):
         Trainer(init_fn=params, step_fn=lambda state, batch: (state, {}), batch_fn=batch_fn, config=cfg)
 
@@ -124,12 +134,19 @@ def test_trainer_learns_the_batch_size_from_the_first_batch(monkeypatch):
         asked.append(step)
         return np.zeros((32, 4), np.float32)
 
-    with pytest.raises(ConfigError, match=r"batch_fn\(0\) returned a batch of 32 rows does not split over 6 devices.*"
-                                          r"multiple of 24.*elastic.Trainer with elastic.optax_step"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_fn\(0\) returned a batch of 32 rows does not split over 6 devices.*"
+        r"multiple of 24.*elastic.Trainer with elastic.optax_step",
+    ):
         Trainer(init_fn=params, step_fn=lambda state, batch: (state, {}), batch_fn=batch_fn, config=_config())
     assert asked == [0]
-    Trainer(init_fn=params, step_fn=optax_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1)),
-            batch_fn=batch_fn, config=_config()).job.close()  # micro-batches: any size goes
+    Trainer(
+        init_fn=params,
+        step_fn=optax_step(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1)),
+        batch_fn=batch_fn,
+        config=_config(),
+    ).job.close()  # micro-batches: any size goes
 
 
 class _Host:
@@ -143,8 +160,14 @@ class _Host:
 
 def _run(config: ElasticConfig) -> Run:
     mesh = build_mesh(simulated_topology(config.num_slices, config.devices_per_slice).slices)
-    return Run(_Host(config), view=View(epoch=1, active=frozenset(range(config.num_slices))), mesh=mesh,
-               state=None, start_step=0, extras={})
+    return Run(
+        _Host(config),
+        view=View(epoch=1, active=frozenset(range(config.num_slices))),
+        mesh=mesh,
+        state=None,
+        start_step=0,
+        extras={},
+    )
 
 
 def test_shard_batch_rejects_at_the_first_step_a_batch_a_shrink_would_strand():
@@ -162,10 +185,13 @@ def test_shard_batch_splits_a_batch_that_fits_every_mesh():
     assert {s.data.shape for s in placed["x"].addressable_shards} == {(6, 3)}
 
 
-@pytest.mark.parametrize(("batch", "words"), [
-    pytest.param({"x": np.zeros((48, 2)), "lr": 0.1}, "a leaf ['lr'] of shape ()", id="scalar-leaf"),
-    pytest.param((np.zeros((48, 2)), np.zeros((24,))), "different leading sizes [24, 48]", id="sizes-differ"),
-])
+@pytest.mark.parametrize(
+    ("batch", "words"),
+    [
+        pytest.param({"x": np.zeros((48, 2)), "lr": 0.1}, "a leaf ['lr'] of shape ()", id="scalar-leaf"),
+        pytest.param((np.zeros((48, 2)), np.zeros((24,))), "different leading sizes [24, 48]", id="sizes-differ"),
+    ],
+)
 def test_shard_batch_rejects_leaves_without_one_batch_dimension(batch, words):
     with pytest.raises(ConfigError) as info:
         _run(_config()).shard_batch(batch)
@@ -174,5 +200,7 @@ def test_shard_batch_rejects_leaves_without_one_batch_dimension(batch, words):
 
 def test_key_is_unchanged():
     run = _run(_config(seed=3))
-    assert jax.random.key_data(run.key(2)).tolist() == jax.random.key_data(
-        jax.random.fold_in(jax.random.key(3), 2)).tolist()
+    assert (
+        jax.random.key_data(run.key(2)).tolist()
+        == jax.random.key_data(jax.random.fold_in(jax.random.key(3), 2)).tolist()
+    )

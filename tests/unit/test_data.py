@@ -1,4 +1,5 @@
 """Data positions in the snapshot (elastic.api.data, Run.data/batches): real Grain iterators, no cluster."""
+
 from __future__ import annotations
 
 import copy
@@ -13,9 +14,9 @@ import pytest
 from elastic import ElasticConfig, Policy, Run
 from elastic.api.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
 from elastic.errors import ConfigError, ElasticError
-from elastic.supervision.membership import View
 from elastic.runtime import build_mesh, simulated_topology
 from elastic.snapshot.persistent import _decode, _encode
+from elastic.supervision.membership import View
 
 
 class _Source:
@@ -30,28 +31,42 @@ class _Source:
 
 
 def _loader() -> grain.DataLoader:
-    sampler = grain.samplers.IndexSampler(num_records=100, shard_options=grain.sharding.NoSharding(), shuffle=True,
-                                          num_epochs=None, seed=3)
-    return grain.DataLoader(data_source=_Source(), sampler=sampler, worker_count=0,
-                            operations=[grain.transforms.Batch(8, drop_remainder=True)])
+    sampler = grain.samplers.IndexSampler(
+        num_records=100, shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=None, seed=3
+    )
+    return grain.DataLoader(
+        data_source=_Source(),
+        sampler=sampler,
+        worker_count=0,
+        operations=[grain.transforms.Batch(8, drop_remainder=True)],
+    )
 
 
 def _dataset() -> grain.IterDataset:
     return grain.MapDataset.source(_Source()).shuffle(seed=3).repeat(None).batch(8).to_iter_dataset()
 
 
-PIPELINES = [pytest.param(_loader, id="DataLoader"), pytest.param(_dataset, id="IterDataset"),
-             pytest.param(lambda: grain.MapDataset.source(_Source()).shuffle(seed=3).repeat(None).batch(8),
-                          id="MapDataset")]
+PIPELINES = [
+    pytest.param(_loader, id="DataLoader"),
+    pytest.param(_dataset, id="IterDataset"),
+    pytest.param(lambda: grain.MapDataset.source(_Source()).shuffle(seed=3).repeat(None).batch(8), id="MapDataset"),
+]
 
 
 def _ids(batch: Any) -> list[int]:
     return np.asarray(batch["id"]).tolist()
 
 
-@pytest.mark.parametrize("state", [
-    None, 3, {"next_index": 7}, b'{\n "version": 2}', {"a": (1, [2.5, "x"], b"\x00\xff"), "b": None},
-])
+@pytest.mark.parametrize(
+    "state",
+    [
+        None,
+        3,
+        {"next_index": 7},
+        b'{\n "version": 2}',
+        {"a": (1, [2.5, "x"], b"\x00\xff"), "b": None},
+    ],
+)
 def test_plain_state_round_trips_through_the_json_snapshot_tier(state):
     plain = to_plain(state)
     stored = json.loads(json.dumps(_encode({"extras": {POSITIONS_KEY: {"data": plain}}})))
@@ -62,11 +77,14 @@ def test_numpy_scalars_become_python_scalars():
     assert to_plain({"i": np.int64(4), "f": np.float32(0.5)}) == {"i": 4, "f": 0.5}
 
 
-@pytest.mark.parametrize(("state", "where"), [
-    pytest.param(np.zeros(3), "state is a ndarray", id="array"),
-    pytest.param({"k": object()}, "state['k'] is a object", id="object-leaf"),
-    pytest.param({1: 2}, "state is a dict", id="int-keys"),
-])
+@pytest.mark.parametrize(
+    ("state", "where"),
+    [
+        pytest.param(np.zeros(3), "state is a ndarray", id="array"),
+        pytest.param({"k": object()}, "state['k'] is a object", id="object-leaf"),
+        pytest.param({1: 2}, "state is a dict", id="int-keys"),
+    ],
+)
 def test_state_that_is_not_plain_data_is_refused(state, where):
     with pytest.raises(ConfigError, match="plain data") as info:
         to_plain(state)
@@ -104,8 +122,13 @@ def test_an_iterator_object_is_refused_in_favour_of_its_pipeline():
 
 def test_a_pass_after_step_0_needs_a_saved_position():
     with pytest.raises(ConfigError, match="the snapshot of step 5 holds no position"):
-        open_data(_loader(), name="train", extras={POSITIONS_KEY: {"eval": {"next_index": 0}}}, start_step=5,
-                  current_step=lambda: 5)
+        open_data(
+            _loader(),
+            name="train",
+            extras={POSITIONS_KEY: {"eval": {"next_index": 0}}},
+            start_step=5,
+            current_step=lambda: 5,
+        )
 
 
 def test_pulls_outside_a_step_and_an_exhausted_pipeline_are_refused():
@@ -144,13 +167,20 @@ class _Host:
 
 def _run(host: _Host, start_step: int, extras: dict[str, Any]) -> Run:
     mesh = build_mesh(simulated_topology(4, 2).slices)
-    return Run(host, view=View(epoch=1, active=frozenset(range(4))), mesh=mesh, state=jnp.zeros(()),
-               start_step=start_step, extras=extras)
+    return Run(
+        host,
+        view=View(epoch=1, active=frozenset(range(4))),
+        mesh=mesh,
+        state=jnp.zeros(()),
+        start_step=start_step,
+        extras=extras,
+    )
 
 
 def test_run_batches_records_the_position_at_each_commit_and_resumes_from_it():
-    host = _Host(ElasticConfig(job_name="data", num_slices=4, devices_per_slice=2, num_steps=12,
-                               policy=Policy(min_slices=2)))
+    host = _Host(
+        ElasticConfig(job_name="data", num_slices=4, devices_per_slice=2, num_steps=12, policy=Policy(min_slices=2))
+    )
     seen: dict[int, list[int]] = {}
     run = _run(host, 0, {})
     for step, batch in run.batches(_loader()):

@@ -1,12 +1,13 @@
 """The fault-injection plan: fluent building, ordering and validation."""
+
 from __future__ import annotations
 
 import pickle
 
 import pytest
 
-from elastic.errors import ConfigError
 from elastic.chaos.faults import Fault, Faults
+from elastic.errors import ConfigError
 
 
 def test_fluent_api_returns_same_object():
@@ -83,19 +84,40 @@ INVALID = [
     ("silence-slice-too-high", lambda: Faults().silence_agent(2, at_step=1), 2, 10, ("silence", "slice 2", "0..1")),
     ("step-at-end", lambda: Faults().kill_slice(0, at_step=10), 4, 10, ("kill", "step 10", "last step 9")),
     ("step-past-end", lambda: Faults().transient_error(at_step=99), 4, 10, ("transient", "step 99", "last step 9")),
-    ("revive-never-killed", lambda: Faults().revive_slice(1, at_step=5), 4, 10,
-     ("revive_slice(1)", "step 5", "not down")),
-    ("revive-before-kill", lambda: Faults().revive_slice(1, at_step=2).kill_slice(1, at_step=5), 4, 10,
-     ("revive_slice(1)", "not down")),
-    ("revive-other-slice", lambda: Faults().kill_slice(0, at_step=1).revive_slice(1, at_step=2), 4, 10,
-     ("revive_slice(1)", "not down")),
-    ("revive-twice", lambda: Faults().kill_slice(2, at_step=1).revive_slice(2, at_step=3).revive_slice(2, at_step=4),
-     4, 10, ("revive_slice(2)", "step 4", "not down")),
+    (
+        "revive-never-killed",
+        lambda: Faults().revive_slice(1, at_step=5),
+        4,
+        10,
+        ("revive_slice(1)", "step 5", "not down"),
+    ),
+    (
+        "revive-before-kill",
+        lambda: Faults().revive_slice(1, at_step=2).kill_slice(1, at_step=5),
+        4,
+        10,
+        ("revive_slice(1)", "not down"),
+    ),
+    (
+        "revive-other-slice",
+        lambda: Faults().kill_slice(0, at_step=1).revive_slice(1, at_step=2),
+        4,
+        10,
+        ("revive_slice(1)", "not down"),
+    ),
+    (
+        "revive-twice",
+        lambda: Faults().kill_slice(2, at_step=1).revive_slice(2, at_step=3).revive_slice(2, at_step=4),
+        4,
+        10,
+        ("revive_slice(2)", "step 4", "not down"),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("build", "num_slices", "num_steps", "words"),
-                         [pytest.param(*c[1:], id=c[0]) for c in INVALID])
+@pytest.mark.parametrize(
+    ("build", "num_slices", "num_steps", "words"), [pytest.param(*c[1:], id=c[0]) for c in INVALID]
+)
 def test_validate_rejects(build, num_slices, num_steps, words):
     with pytest.raises(ConfigError) as info:
         build().validate(num_slices=num_slices, num_steps=num_steps)
@@ -110,15 +132,31 @@ def test_validate_rejects(build, num_slices, num_steps, words):
     ("build", "num_slices", "num_steps"),
     [
         pytest.param(lambda: Faults().kill_slice(1, at_step=3).revive_slice(1, at_step=6), 4, 10, id="kill-revive"),
-        pytest.param(lambda: Faults().revive_slice(1, at_step=6).kill_slice(1, at_step=3), 4, 10,
-                     id="kill-revive-added-out-of-order"),
-        pytest.param(lambda: Faults().kill_slice(1, at_step=3).revive_slice(1, at_step=3), 4, 10,
-                     id="kill-revive-same-step"),
-        pytest.param(lambda: Faults().silence_agent(0, at_step=2).revive_slice(0, at_step=4), 2, 5,
-                     id="silence-revive"),
+        pytest.param(
+            lambda: Faults().revive_slice(1, at_step=6).kill_slice(1, at_step=3),
+            4,
+            10,
+            id="kill-revive-added-out-of-order",
+        ),
+        pytest.param(
+            lambda: Faults().kill_slice(1, at_step=3).revive_slice(1, at_step=3), 4, 10, id="kill-revive-same-step"
+        ),
+        pytest.param(
+            lambda: Faults().silence_agent(0, at_step=2).revive_slice(0, at_step=4), 2, 5, id="silence-revive"
+        ),
         pytest.param(lambda: Faults().kill_slice(3, at_step=9).transient_error(at_step=0), 4, 10, id="edges"),
-        pytest.param(lambda: Faults().kill_slice(1, at_step=1).revive_slice(1, at_step=2).kill_slice(1, at_step=3)
-                     .revive_slice(1, at_step=4), 2, 5, id="twice"),
+        pytest.param(
+            lambda: (
+                Faults()
+                .kill_slice(1, at_step=1)
+                .revive_slice(1, at_step=2)
+                .kill_slice(1, at_step=3)
+                .revive_slice(1, at_step=4)
+            ),
+            2,
+            5,
+            id="twice",
+        ),
     ],
 )
 def test_validate_accepts(build, num_slices, num_steps):
@@ -127,8 +165,11 @@ def test_validate_accepts(build, num_slices, num_steps):
 
 def test_hang_step_plan_and_validation():
     plan = Faults().hang_step(at_step=4).hang_step(at_step=7, slice=2).revive_slice(2, at_step=9)
-    assert plan.faults == (Fault(kind="hang", at_step=4), Fault(kind="hang", slice=2, at_step=7),
-                           Fault(kind="revive", slice=2, at_step=9))
+    assert plan.faults == (
+        Fault(kind="hang", at_step=4),
+        Fault(kind="hang", slice=2, at_step=7),
+        Fault(kind="revive", slice=2, at_step=9),
+    )
     plan.validate(num_slices=4, num_steps=10)  # a slice wedged by a hang is down: it may be revived
     with pytest.raises(ConfigError, match="not down"):
         Faults().hang_step(at_step=2).revive_slice(1, at_step=5).validate(num_slices=4, num_steps=10)

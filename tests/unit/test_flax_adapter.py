@@ -1,5 +1,6 @@
 """The Flax adapters without Ray: NNX's in-place trap refused, functional steps equal to plain Flax bit for bit,
 shardings from partitioning annotations, RNG streams and BatchNorm statistics in the state."""
+
 from __future__ import annotations
 
 import importlib
@@ -50,8 +51,11 @@ train_step = nnx.jit(plain_step)  # the tutorial's @nnx.jit step
 
 
 def _adapter(**kw) -> NnxAdapter:
-    return NnxAdapter(model_fn=lambda rngs: MLP(rngs=rngs),
-                      optimizer_fn=lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param), **kw)
+    return NnxAdapter(
+        model_fn=lambda rngs: MLP(rngs=rngs),
+        optimizer_fn=lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param),
+        **kw,
+    )
 
 
 RULES = [("model", "local")]
@@ -144,8 +148,9 @@ def test_nnx_step_equals_plain_nnx_bit_for_bit_and_carries_rngs_and_batch_stats(
     assert run._host.recorded  # noqa: SLF001 - the functional step is recorded for standby compiles
     assert _max_diff(state, nnx.state((model, optimizer))) == 0.0
     back = adapter.module(state)
-    assert int(back.dropout.rngs.count[...]) == 3 and jax.dtypes.issubdtype(back.dropout.rngs.key[...].dtype,
-                                                                            jax.dtypes.prng_key)
+    assert int(back.dropout.rngs.count[...]) == 3 and jax.dtypes.issubdtype(
+        back.dropout.rngs.key[...].dtype, jax.dtypes.prng_key
+    )
     assert float(jnp.abs(back.bn.mean[...]).max()) > 0 and int(state[1]["step"][...]) == 3
     back.eval()  # the module back, for evaluation
     assert back(jnp.ones((2, 16))).shape == (2, 4)
@@ -155,7 +160,8 @@ def test_nnx_shardings_come_from_partitioning_annotations(run):
     adapter = _adapter(axis_rules=RULES)
     specs = adapter.shardings_fn(run.mesh)
     assert jax.tree_util.tree_structure(specs, is_leaf=IS_SPEC) == jax.tree_util.tree_structure(
-        jax.eval_shape(adapter.init_fn, jax.random.key(0)))
+        jax.eval_shape(adapter.init_fn, jax.random.key(0))
+    )
     model, opt = specs[0], specs[1]["opt_state"][0]
     assert model["linear1"]["kernel"].get_value() == P("local")  # ("model", None): trailing None dropped
     assert model["linear2"]["kernel"].get_value() == P(None, "local")
@@ -215,8 +221,14 @@ def _linen_loss(logits, labels):
 
 
 def _linen(**kw) -> LinenAdapter:
-    return LinenAdapter(module=LinenMLP(), tx=optax.adam(1e-2), sample_input=jax.ShapeDtypeStruct((1, 16), jnp.float32),
-                        init_kwargs={"train": False}, train_kwargs={"train": True}, **kw)
+    return LinenAdapter(
+        module=LinenMLP(),
+        tx=optax.adam(1e-2),
+        sample_input=jax.ShapeDtypeStruct((1, 16), jnp.float32),
+        init_kwargs={"train": False},
+        train_kwargs={"train": True},
+        **kw,
+    )
 
 
 LINEN_RULES = [("model", "local"), ("classes", "local"), ("hidden", None)]
@@ -227,8 +239,13 @@ def _plain_linen_step(state, x, y):  # the classic Linen step, as the adapter pr
     dropout = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
 
     def compute(params):
-        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, x, train=True,
-                                         rngs={"dropout": dropout}, mutable=["batch_stats"])
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            x,
+            train=True,
+            rngs={"dropout": dropout},
+            mutable=["batch_stats"],
+        )
         return _linen_loss(logits, y)[0], updates
 
     (loss, updates), grads = jax.value_and_grad(compute, has_aux=True)(state.params)
@@ -239,7 +256,8 @@ def test_linen_shardings_come_from_partitioning_annotations(run):
     adapter = _linen(axis_rules=LINEN_RULES)
     specs = adapter.shardings_fn(run.mesh)
     assert jax.tree_util.tree_structure(specs, is_leaf=IS_SPEC) == jax.tree_util.tree_structure(
-        jax.eval_shape(adapter.init_fn, jax.random.key(0)))
+        jax.eval_shape(adapter.init_fn, jax.random.key(0))
+    )
     assert specs.params["Dense_0"]["kernel"] == P(None, "local")
     assert specs.params["Dense_1"]["kernel"] == P(None, "local")  # logical ("hidden", "classes") via the rules
     assert specs.opt_state[0].mu["Dense_0"]["kernel"] == P(None, "local")
@@ -261,8 +279,9 @@ def test_linen_step_equals_a_plain_step_bit_for_bit(run):
     assert _max_diff(state, reference) == 0.0 and int(state.step) == 3
     assert float(jnp.abs(state.batch_stats["BatchNorm_0"]["mean"]).max()) > 0
     assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "local")
-    logits = adapter.module.apply(adapter.variables(state), jax.device_put(_batch(0)[0], batch_sharding(run.mesh)),
-                                  train=False)
+    logits = adapter.module.apply(
+        adapter.variables(state), jax.device_put(_batch(0)[0], batch_sharding(run.mesh)), train=False
+    )
     assert logits.shape == (48, 4)
 
 

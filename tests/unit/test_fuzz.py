@@ -1,5 +1,6 @@
 """What comes from outside, fuzzed (hypothesis): configuration, stream records, run records, keeper images and
 CLI arguments each end in a clear error or a clean refusal, never a crash, a hang or silent acceptance."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,33 +15,44 @@ from hypothesis import strategies as st
 from elastic.cli import main
 from elastic.config import ElasticConfig, Policy
 from elastic.errors import ConfigError
-from elastic.supervision import events
 from elastic.snapshot.errors import SnapshotCorruptError
 from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
 from elastic.snapshot.seal import seal, sealed
+from elastic.supervision import events
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEY = "k" * 64
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-                           max_leaves=12)
-anything = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(), st.lists(st.integers()),
-                     st.dictionaries(st.text(), st.integers()))
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(),
+    st.lists(st.integers()),
+    st.dictionaries(st.text(), st.integers()),
+)
 
 
 @FAST
 @given(num_slices=anything, devices=anything, steps=anything, min_slices=anything)
 def test_config_is_built_or_refused_with_a_config_error(num_slices, devices, steps, min_slices):
     try:
-        ElasticConfig(num_slices=num_slices, devices_per_slice=devices, num_steps=steps,
-                      policy=Policy(min_slices=min_slices))
+        ElasticConfig(
+            num_slices=num_slices, devices_per_slice=devices, num_steps=steps, policy=Policy(min_slices=min_slices)
+        )
     except ConfigError as err:
         assert str(err)
 
 
 @FAST
-@given(fields=st.dictionaries(st.text(min_size=1).filter(lambda k: k != "mac"), json_values, max_size=6),
-       data=st.data())
+@given(
+    fields=st.dictionaries(st.text(min_size=1).filter(lambda k: k != "mac"), json_values, max_size=6), data=st.data()
+)
 def test_a_signed_record_verifies_and_any_change_does_not(fields, data):
     record = events.sign({"wall": 1.5, "writer": "supervisor", "seq": 3, "kind": "view", **fields}, KEY)
     record = json.loads(json.dumps(record))  # as stored
@@ -53,8 +65,11 @@ def test_a_signed_record_verifies_and_any_change_does_not(fields, data):
 
 
 @FAST
-@given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
-       | json_values.map(lambda v: json.dumps(v).encode()))
+@given(
+    raw=st.binary(max_size=200)
+    | st.text(max_size=200).map(str.encode)
+    | json_values.map(lambda v: json.dumps(v).encode())
+)
 def test_a_stored_value_is_a_record_or_nothing(raw):
     record = events.parse(raw)
     assert record is None or (isinstance(record["wall"], (int, float)) and isinstance(record["seq"], int))
@@ -77,9 +92,11 @@ def test_a_damaged_run_record_is_a_config_error(tmp_path_factory, lines):
 def image(seed: int, pieces: int) -> HostImage:
     rng = np.random.default_rng(seed)
     data = [rng.normal(size=(4,)).astype(np.float32) for _ in range(pieces)]
-    leaf = LeafImage(shape=(4 * pieces,), dtype="float32",
-                     pieces=tuple(Piece(index=((4 * i, 4 * i + 4),), data=d, checksum=checksum(d))
-                                  for i, d in enumerate(data)))
+    leaf = LeafImage(
+        shape=(4 * pieces,),
+        dtype="float32",
+        pieces=tuple(Piece(index=((4 * i, 4 * i + 4),), data=d, checksum=checksum(d)) for i, d in enumerate(data)),
+    )
     meta = {"step": seed, "ledger": np.arange(3)}
     return HostImage(step=seed, generation=1, leaves=(leaf,), meta=meta, meta_checksum=meta_checksum(meta))
 
@@ -108,9 +125,36 @@ def test_an_altered_or_truncated_image_fails_its_seal_and_its_checksums(seed, pi
             forged.verify()
 
 
-WORDS = ["status", "events", "report", "inject", "kill", "silence", "--job", "--job-name", "--slice", "1", "-1",
-         "x", "--json", "--run", "--dir", "/nonexistent", "--follow", "--follow-for", "0", "--kind", "view",
-         "--token", "--yes", "-v", "--out", "", "nan", "--bogus"]
+WORDS = [
+    "status",
+    "events",
+    "report",
+    "inject",
+    "kill",
+    "silence",
+    "--job",
+    "--job-name",
+    "--slice",
+    "1",
+    "-1",
+    "x",
+    "--json",
+    "--run",
+    "--dir",
+    "/nonexistent",
+    "--follow",
+    "--follow-for",
+    "0",
+    "--kind",
+    "view",
+    "--token",
+    "--yes",
+    "-v",
+    "--out",
+    "",
+    "nan",
+    "--bogus",
+]
 
 
 @settings(max_examples=80, deadline=None)

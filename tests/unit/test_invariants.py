@@ -1,4 +1,5 @@
 """The invariant checker: a clean run passes every promise; each broken promise fails with its evidence."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,17 +18,41 @@ def state(w: float = 1.0) -> dict[str, np.ndarray]:
 
 def record(**overrides) -> RunRecord:
     """A run of N steps, snapshot every 5, that lost slice 1 at step 13 and restored from the snapshot at 10."""
-    base = dict(num_steps=N, snapshot_every=5, keeper_every=1, steps=tuple(range(N)), batches=tuple(range(N)),
-                executed=tuple(range(13)) + tuple(range(10, N)), recomputed=3,
-                restores=({"step": 10, "tier": "memory", "generation": 2},), slices_initial=4, min_slices_seen=3,
-                state=state(), latest_snapshot_step=N, snapshots_dropped=0, seconds=4.0, bound_s=60.0)
+    base = dict(
+        num_steps=N,
+        snapshot_every=5,
+        keeper_every=1,
+        steps=tuple(range(N)),
+        batches=tuple(range(N)),
+        executed=tuple(range(13)) + tuple(range(10, N)),
+        recomputed=3,
+        restores=({"step": 10, "tier": "memory", "generation": 2},),
+        slices_initial=4,
+        min_slices_seen=3,
+        state=state(),
+        latest_snapshot_step=N,
+        snapshots_dropped=0,
+        seconds=4.0,
+        bound_s=60.0,
+    )
     base.update(overrides)
     return RunRecord(**base)
 
 
-REFERENCE = RunRecord(num_steps=N, snapshot_every=5, steps=tuple(range(N)), batches=tuple(range(N)),
-                      executed=tuple(range(N)), slices_initial=4, min_slices_seen=4, state=state(),
-                      latest_snapshot_step=N, snapshots_dropped=0, seconds=3.0, bound_s=60.0)
+REFERENCE = RunRecord(
+    num_steps=N,
+    snapshot_every=5,
+    steps=tuple(range(N)),
+    batches=tuple(range(N)),
+    executed=tuple(range(N)),
+    slices_initial=4,
+    min_slices_seen=4,
+    state=state(),
+    latest_snapshot_step=N,
+    snapshots_dropped=0,
+    seconds=3.0,
+    bound_s=60.0,
+)
 
 
 def failed(run: RunRecord, reference: RunRecord | None = REFERENCE) -> dict[str, str]:
@@ -37,10 +62,17 @@ def failed(run: RunRecord, reference: RunRecord | None = REFERENCE) -> dict[str,
 def test_a_clean_run_keeps_every_promise():
     verdict = check(record(), REFERENCE)
     assert verdict.ok, verdict.failed
-    assert {p.promise for p in verdict.promises} == {"equivalence", "exactly_once", "bounded_loss", "no_hang",
-                                                       "outcome", "nothing_lost"}
-    assert verdict["bounded_loss"].evidence["rollbacks"] == [{"from": 13, "to": 10, "lost": 3, "tier": "memory",
-                                                               "bound": 5}]
+    assert {p.promise for p in verdict.promises} == {
+        "equivalence",
+        "exactly_once",
+        "bounded_loss",
+        "no_hang",
+        "outcome",
+        "nothing_lost",
+    }
+    assert verdict["bounded_loss"].evidence["rollbacks"] == [
+        {"from": 13, "to": 10, "lost": 3, "tier": "memory", "bound": 5}
+    ]
     assert check(REFERENCE).ok
 
 
@@ -63,8 +95,17 @@ def test_a_batch_consumed_twice_breaks_exactly_once():
 
 
 def test_a_give_up_needs_only_a_clean_prefix():
-    run = record(outcome="gave_up", expect="give_up", steps=tuple(range(8)), batches=tuple(range(8)),
-                 executed=tuple(range(8)), recomputed=0, restores=(), state=None, latest_snapshot_step=5)
+    run = record(
+        outcome="gave_up",
+        expect="give_up",
+        steps=tuple(range(8)),
+        batches=tuple(range(8)),
+        executed=tuple(range(8)),
+        recomputed=0,
+        restores=(),
+        state=None,
+        latest_snapshot_step=5,
+    )
     assert check(run, REFERENCE).ok
     assert check(run, REFERENCE)["equivalence"].status == "n/a"
 
@@ -82,8 +123,11 @@ def test_state_differing_from_the_reference_breaks_equivalence():
 def test_a_rollback_past_the_snapshot_interval_breaks_bounded_loss():
     run = record(executed=tuple(range(17)) + tuple(range(10, N)), recomputed=7)
     assert "redid 7 steps, more than 5" in failed(run)["bounded_loss"]
-    keeper = record(executed=tuple(range(17)) + tuple(range(10, N)), recomputed=7,
-                    restores=({"step": 10, "tier": "keeper", "generation": 2},))
+    keeper = record(
+        executed=tuple(range(17)) + tuple(range(10, N)),
+        recomputed=7,
+        restores=({"step": 10, "tier": "keeper", "generation": 2},),
+    )
     assert check(keeper, REFERENCE).ok  # every snapshot in the keepers, one push in flight: 10 steps at most
 
 
@@ -91,24 +135,37 @@ def test_recomputed_steps_must_match_the_ledger():
     assert "differ from the steps the ledger counts" in failed(record(recomputed=0))["bounded_loss"]
 
 
-@pytest.mark.parametrize("overrides, text", [
-    ({"outcome": "hang"}, "did not end within 60 s"),
-    ({"seconds": 75.0}, "past its bound of 60 s"),
-])
+@pytest.mark.parametrize(
+    "overrides, text",
+    [
+        ({"outcome": "hang"}, "did not end within 60 s"),
+        ({"seconds": 75.0}, "past its bound of 60 s"),
+    ],
+)
 def test_a_run_past_its_bound_is_a_hang(overrides, text):
     assert text in failed(record(**overrides))["no_hang"]
 
 
-@pytest.mark.parametrize("overrides, text", [
-    ({"expect": "give_up"}, "expected the run to give up, it finished"),
-    ({"outcome": "error", "error": "ElasticError: no tier can restore", "state": None},
-     "expected the run to finish, it ended in an error: ElasticError: no tier can restore"),
-    ({"outcome": "crashed", "error": "KeyError: 'w'", "state": None}, "it crashed: KeyError"),
-    ({"expect": "supervisor_lost"}, "expected the run to end with SupervisorLostError, it finished"),
-    ({"expect": "supervisor_lost", "outcome": "gave_up", "state": None},
-     "expected the run to end with SupervisorLostError, it gave up"),
-    ({"outcome": "supervisor_lost", "state": None}, "expected the run to finish, it ended with SupervisorLostError"),
-])
+@pytest.mark.parametrize(
+    "overrides, text",
+    [
+        ({"expect": "give_up"}, "expected the run to give up, it finished"),
+        (
+            {"outcome": "error", "error": "ElasticError: no tier can restore", "state": None},
+            "expected the run to finish, it ended in an error: ElasticError: no tier can restore",
+        ),
+        ({"outcome": "crashed", "error": "KeyError: 'w'", "state": None}, "it crashed: KeyError"),
+        ({"expect": "supervisor_lost"}, "expected the run to end with SupervisorLostError, it finished"),
+        (
+            {"expect": "supervisor_lost", "outcome": "gave_up", "state": None},
+            "expected the run to end with SupervisorLostError, it gave up",
+        ),
+        (
+            {"outcome": "supervisor_lost", "state": None},
+            "expected the run to finish, it ended with SupervisorLostError",
+        ),
+    ],
+)
 def test_an_unexpected_ending_breaks_the_outcome(overrides, text):
     assert text in failed(record(**overrides))["outcome"]
 
@@ -116,7 +173,16 @@ def test_an_unexpected_ending_breaks_the_outcome(overrides, text):
 def test_a_lost_or_dropped_snapshot_breaks_nothing_lost():
     assert "not the last step 20" in failed(record(latest_snapshot_step=15))["nothing_lost"]
     assert "dropped without being counted" in failed(record(snapshots_dropped=1))["nothing_lost"]
-    gave_up = record(outcome="gave_up", expect="give_up", state=None, executed=tuple(range(17)), recomputed=0,
-                     restores=(), steps=tuple(range(17)), batches=tuple(range(17)), latest_snapshot_step=5)
+    gave_up = record(
+        outcome="gave_up",
+        expect="give_up",
+        state=None,
+        executed=tuple(range(17)),
+        recomputed=0,
+        restores=(),
+        steps=tuple(range(17)),
+        batches=tuple(range(17)),
+        latest_snapshot_step=5,
+    )
     assert "older than" in failed(gave_up)["nothing_lost"]  # 17 steps reached: the snapshot at 10 must remain
     assert check(replace(gave_up, latest_snapshot_step=10), REFERENCE).ok

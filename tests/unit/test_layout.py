@@ -1,4 +1,5 @@
 """The package's layout keeps its promises: a short top level, sides that import one way, no import circles."""
+
 from __future__ import annotations
 
 import ast
@@ -37,8 +38,12 @@ def _imports(path: Path) -> set[str]:
             body.extend(node.body)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "elastic")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                node.module.split(".")[0] == "elastic":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "elastic"
+        ):
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
@@ -64,7 +69,7 @@ def test_no_import_circles() -> None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError(f"import circle: {' -> '.join(cycle)}")
             if nxt not in state:
                 visit(nxt)

@@ -1,4 +1,5 @@
 """The persistent tier: async Orbax checkpoints saved from a 4x2 mesh, restored onto a 3x2 mesh, on 8 CPU devices."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,17 +11,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from elastic.snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
 from elastic.snapshot.persistent import PersistentDirectoryError, PersistentTier
 
-SPECS = {"w": P("replica", "local"), "r": P(), "h": P("replica"), "n": P(), "keys": P("replica"),
-         "opt": (P("local"), [P()])}
+SPECS = {
+    "w": P("replica", "local"),
+    "r": P(),
+    "h": P("replica"),
+    "n": P(),
+    "keys": P("replica"),
+    "opt": (P("local"), [P()]),
+}
 META = {
-    "step": 10, "lr": 0.1, "big": 2**62, "tiny": 5e-324, "neg_zero": -0.0, "name": "run-1", "flag": True,
-    "none": None, "data": {"epoch": 3, "cursor": [7, 11, 13], "shape": (24, 16)},
-    "rng": [(1, 2), [3.5, "x"]], "by_slice": {0: 4, 1: 5}, "tagged": {"__tuple__": [1]},
+    "step": 10,
+    "lr": 0.1,
+    "big": 2**62,
+    "tiny": 5e-324,
+    "neg_zero": -0.0,
+    "name": "run-1",
+    "flag": True,
+    "none": None,
+    "data": {"epoch": 3, "cursor": [7, 11, 13], "shape": (24, 16)},
+    "rng": [(1, 2), [3.5, "x"]],
+    "by_slice": {0: 4, 1: 5},
+    "tagged": {"__tuple__": [1]},
 }
 
 
@@ -34,8 +51,13 @@ def make_state(mesh: Mesh, seed: int = 0) -> dict:
     w[0, 0], w[1, 1] = -0.0, np.float32(1e-45)  # the sign of zero and a subnormal must survive
     h = rng.normal(size=(24, 4)).astype(jnp.bfloat16)
     h[0, 0] = np.nan
-    host = {"w": w, "r": rng.normal(size=(8,)).astype(np.float32), "h": h, "n": np.int32(-123456789),
-            "opt": (rng.normal(size=(6,)).astype(np.float32), [np.float32(2.5)])}
+    host = {
+        "w": w,
+        "r": rng.normal(size=(8,)).astype(np.float32),
+        "h": h,
+        "n": np.int32(-123456789),
+        "opt": (rng.normal(size=(6,)).astype(np.float32), [np.float32(2.5)]),
+    }
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     state = jax.tree.map(put, host, {k: v for k, v in SPECS.items() if k != "keys"})
     state["keys"] = put(jax.random.split(jax.random.key(seed), 24), SPECS["keys"])
@@ -43,8 +65,9 @@ def make_state(mesh: Mesh, seed: int = 0) -> dict:
 
 
 def abstract_on(mesh: Mesh, state: dict) -> dict:
-    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-                        state, SPECS)
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), state, SPECS
+    )
 
 
 def host_bits(x: jax.Array) -> tuple[str, bytes]:
@@ -54,8 +77,10 @@ def host_bits(x: jax.Array) -> tuple[str, bytes]:
 
 
 def tree_files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +104,9 @@ def test_restores_bit_for_bit_onto_a_smaller_mesh(saved):
         step, restored, meta = tier.load(target)
     assert step == 10
     assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for got, want, abstract in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+    for got, want, abstract in zip(
+        jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target), strict=True
+    ):
         assert host_bits(got) == host_bits(want)
         assert got.sharding == abstract.sharding
     assert str(restored["keys"].dtype) == "key<fry>" and str(jax.random.key_impl(restored["keys"])) == "threefry2x32"
@@ -145,8 +172,10 @@ def test_structure_mismatch_names_the_difference(saved):
         wrong = dict(target, w=jax.ShapeDtypeStruct((24, 8), jnp.float32, sharding=target["w"].sharding))
         with pytest.raises(SnapshotStructureError, match=r"\['w'\]: saved \(24, 16\) float32, target \(24, 8\)"):
             tier.load(wrong)
-        rbg = dict(target, keys=jax.ShapeDtypeStruct((24,), jax.random.key(0, impl="rbg").dtype,
-                                                     sharding=target["keys"].sharding))
+        rbg = dict(
+            target,
+            keys=jax.ShapeDtypeStruct((24,), jax.random.key(0, impl="rbg").dtype, sharding=target["keys"].sharding),
+        )
         with pytest.raises(SnapshotStructureError, match="key<rbg>"):
             tier.load(rbg)
         unsharded = dict(target, n=jax.ShapeDtypeStruct((), jnp.int32))
@@ -159,8 +188,7 @@ def test_empty_directory_has_no_snapshot(tmp_path):
         assert tier.latest_step() is None and tier.due(6) and not tier.due(7)
         with pytest.raises(NoSnapshotError):
             tier.load({})
-        assert tier.stats() == {"persistent_saves": 0, "persistent_blocking_seconds": 0.0,
-                                "persistent_last_step": None}
+        assert tier.stats() == {"persistent_saves": 0, "persistent_blocking_seconds": 0.0, "persistent_last_step": None}
 
 
 def test_missing_step_and_bad_arguments(saved, tmp_path):

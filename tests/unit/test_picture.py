@@ -1,5 +1,6 @@
 """``elastic.ops.picture.render_timeline`` on synthetic event streams: a valid PNG of the intended size that shows
 the failure markers and the recovery shading where the stream has them (and not where it has none)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,8 +34,16 @@ class Stream:
         self.records.append({"wall": T0 + at, "writer": writer, "seq": seq, "kind": kind, **fields})
 
     def view(self, t: float, epoch: int, active: list[int], decision: str, gave_up: str | None = None) -> None:
-        self.add(t, "supervisor", "view", epoch=epoch, active=active, gave_up=gave_up, reason=f"{decision} test",
-                 decision=decision)
+        self.add(
+            t,
+            "supervisor",
+            "view",
+            epoch=epoch,
+            active=active,
+            gave_up=gave_up,
+            reason=f"{decision} test",
+            decision=decision,
+        )
 
     def health(self, t: float, slice_: int, healthy: bool, epoch: int) -> None:
         self.add(t, "supervisor", "health", slice=slice_, healthy=healthy, cause="probe", incarnation=1, epoch=epoch)
@@ -43,17 +52,35 @@ class Stream:
         since_start = t - self._start.setdefault(writer, t)  # a client's timeline counts from its own start
         self.add(t, writer, "timeline", event=name, t=round(since_start, 3), **detail)
 
-    def progress(self, t: float, step: int, slices: list[int], epoch: int, snap: int | None, tier: str | None,
-                 writer: str = "client-100") -> None:
-        self.add(t, writer, "progress", step=step, steps_per_s=5.0, slices=slices, epoch=epoch,
-                 snapshot_step=snap, snapshot_tier=tier)
+    def progress(
+        self,
+        t: float,
+        step: int,
+        slices: list[int],
+        epoch: int,
+        snap: int | None,
+        tier: str | None,
+        writer: str = "client-100",
+    ) -> None:
+        self.add(
+            t,
+            writer,
+            "progress",
+            step=step,
+            steps_per_s=5.0,
+            slices=slices,
+            epoch=epoch,
+            snapshot_step=snap,
+            snapshot_tier=tier,
+        )
 
     def sorted(self) -> list[dict[str, Any]]:
         return sorted(self.records, key=lambda r: r["wall"])
 
 
-def run_steps(s: Stream, start: float, stop: float, step0: int, slices: list[int], epoch: int,
-              writer: str = "client-100") -> int:
+def run_steps(
+    s: Stream, start: float, stop: float, step0: int, slices: list[int], epoch: int, writer: str = "client-100"
+) -> int:
     """Progress every second at 5 steps/s, a snapshot every 10 steps (every third one also on a keeper)."""
     step = step0
     for t in np.arange(start, stop, 1.0):
@@ -136,8 +163,14 @@ def test_a_revive_is_a_heal_and_an_operator_inject_is_a_fault(tmp_path: Path) ->
     assert pixels_near(image, KILL) > 30
 
 
-@pytest.mark.parametrize("records", [[], [{"wall": T0, "writer": "supervisor", "seq": 0, "kind": "closed"}],
-                                     [{"wall": T0, "writer": "x", "seq": 0, "kind": "unknown-kind", "junk": [1]}]])
+@pytest.mark.parametrize(
+    "records",
+    [
+        [],
+        [{"wall": T0, "writer": "supervisor", "seq": 0, "kind": "closed"}],
+        [{"wall": T0, "writer": "x", "seq": 0, "kind": "unknown-kind", "junk": [1]}],
+    ],
+)
 def test_empty_and_tiny_streams_render(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     image = read_png(render_timeline(records, str(tmp_path / "tiny.png")))
     assert image.shape[0] > 600 and image.shape[1] > 1300

@@ -1,5 +1,6 @@
 """The snapshot-interval planner: closed-form checks against Young-Daly, the simulation against the
 renewal formula, bad input, and ``elastic plan --json``."""
+
 from __future__ import annotations
 
 import json
@@ -9,14 +10,25 @@ import pytest
 
 from elastic.cli import main
 from elastic.errors import ConfigError
-from elastic.ops.planner import (PlanInputs, daly_interval, expected_goodput, failure_gaps, first_order_goodput,
-                             optimal_interval, plan, simulated_goodput, young_interval)
+from elastic.ops.planner import (
+    PlanInputs,
+    daly_interval,
+    expected_goodput,
+    failure_gaps,
+    first_order_goodput,
+    optimal_interval,
+    plan,
+    simulated_goodput,
+    young_interval,
+)
 
 # (id, inputs): the task's fleet, a slow-step big-snapshot job, a small job, a failure-heavy one
 REGIMES = [
     ("16k-chips", dict(chips=16384, mtbf_hours_per_chip=50000)),
-    ("slow-steps", dict(chips=1024, mtbf_hours_per_chip=10000, step_seconds=2.0, snapshot_seconds=5.0,
-                        restart_seconds=300.0)),
+    (
+        "slow-steps",
+        dict(chips=1024, mtbf_hours_per_chip=10000, step_seconds=2.0, snapshot_seconds=5.0, restart_seconds=300.0),
+    ),
     ("small-job", dict(chips=64, mtbf_hours_per_chip=20000, step_seconds=0.5, snapshot_seconds=2.0)),
     ("failure-heavy", dict(chips=65536, mtbf_hours_per_chip=5000, snapshot_seconds=3.0, restart_seconds=30.0)),
 ]
@@ -33,8 +45,9 @@ def test_optimum_matches_young_daly(kwargs):
     assert optimum == pytest.approx(young_interval(c, m), rel=2 * math.sqrt(c / m) + 1e-3)
     # the stationary point of the exact goodput, and the whole step count beats its neighbours
     h = optimum * 1e-4
-    assert expected_goodput(optimum, c, 0, m) >= max(expected_goodput(optimum - h, c, 0, m),
-                                                     expected_goodput(optimum + h, c, 0, m))
+    assert expected_goodput(optimum, c, 0, m) >= max(
+        expected_goodput(optimum - h, c, 0, m), expected_goodput(optimum + h, c, 0, m)
+    )
     p = plan(inputs, horizon_failures=1000)
     step, r = inputs.step_seconds, inputs.restart_seconds
     g = [expected_goodput(k * step, c, r, m) for k in (p.interval_steps - 1, p.interval_steps, p.interval_steps + 1)]
@@ -46,7 +59,8 @@ def test_goodput_formulas_limits():
     # no failures: only the snapshot costs; small intervals against M: first order matches the exact form
     assert expected_goodput(100.0, 1.0, 60.0, 1e15) == pytest.approx(100 / 101)
     assert first_order_goodput(100.0, 0.5, 60.0, 1e6) == pytest.approx(
-        expected_goodput(100.0, 0.5, 60.0, 1e6), abs=1e-4)
+        expected_goodput(100.0, 0.5, 60.0, 1e6), abs=1e-4
+    )
     assert expected_goodput(100.0, 1.0, 1e6, 1.0) == 0.0  # overflow is no goodput, not an error
 
 
@@ -76,16 +90,19 @@ def test_simulation_seeded_and_horizon_hours():
     assert simulated_goodput(gaps, 10.0, 1.0, 1e12) == pytest.approx(math.floor(gaps[0] / 11.0) * 10.0 / gaps.sum())
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(chips=0, mtbf_hours_per_chip=1.0), ("chips", "at least 1")),
-    (dict(chips=2.0, mtbf_hours_per_chip=1.0), ("chips", "int")),
-    (dict(chips=8, mtbf_hours_per_chip=0), ("mtbf_hours_per_chip", "positive")),
-    (dict(chips=8, mtbf_hours_per_chip=float("nan")), ("mtbf_hours_per_chip", "positive")),
-    (dict(chips=8, mtbf_hours_per_chip=1.0, step_seconds=-1.0), ("step_seconds", "positive")),
-    (dict(chips=8, mtbf_hours_per_chip=1.0, snapshot_seconds=0.0), ("snapshot_seconds", "positive")),
-    (dict(chips=8, mtbf_hours_per_chip=1.0, restart_seconds=-5.0), ("restart_seconds", "0 or more")),
-    (dict(chips=8, mtbf_hours_per_chip="1"), ("mtbf_hours_per_chip", "number")),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(chips=0, mtbf_hours_per_chip=1.0), ("chips", "at least 1")),
+        (dict(chips=2.0, mtbf_hours_per_chip=1.0), ("chips", "int")),
+        (dict(chips=8, mtbf_hours_per_chip=0), ("mtbf_hours_per_chip", "positive")),
+        (dict(chips=8, mtbf_hours_per_chip=float("nan")), ("mtbf_hours_per_chip", "positive")),
+        (dict(chips=8, mtbf_hours_per_chip=1.0, step_seconds=-1.0), ("step_seconds", "positive")),
+        (dict(chips=8, mtbf_hours_per_chip=1.0, snapshot_seconds=0.0), ("snapshot_seconds", "positive")),
+        (dict(chips=8, mtbf_hours_per_chip=1.0, restart_seconds=-5.0), ("restart_seconds", "0 or more")),
+        (dict(chips=8, mtbf_hours_per_chip="1"), ("mtbf_hours_per_chip", "number")),
+    ],
+)
 def test_bad_inputs(kwargs, words):
     with pytest.raises(ConfigError) as err:
         PlanInputs(**kwargs)
@@ -107,16 +124,37 @@ def test_cli_plan_json(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     d = json.loads(out)
-    for key in ("interval_steps", "interval_seconds", "job_mtbf_hours", "expected_goodput", "simulated_goodput",
-                "difference", "candidates"):
+    for key in (
+        "interval_steps",
+        "interval_seconds",
+        "job_mtbf_hours",
+        "expected_goodput",
+        "simulated_goodput",
+        "difference",
+        "candidates",
+    ):
         assert key in d
     assert d["interval_steps"] == 104 and d["interval_seconds"] == 104.0
     assert abs(d["difference"]) < 0.05 and d["difference"] == d["simulated_goodput"] - d["expected_goodput"]
 
 
 def test_cli_plan_slices_and_table(capsys):
-    assert main(["plan", "--slices", "64", "--chips-per-slice", "256", "--mtbf-hours-per-chip", "50000",
-                 "--horizon-failures", "2000"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--slices",
+                "64",
+                "--chips-per-slice",
+                "256",
+                "--mtbf-hours-per-chip",
+                "50000",
+                "--horizon-failures",
+                "2000",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "16384 chips" in out and "<- best" in out and "104" in out
     assert main(["plan", "--chips", "8", "--slices", "2", "--chips-per-slice", "4", "--mtbf-hours-per-chip", "1"]) == 2

@@ -1,6 +1,7 @@
 """The pure and in-process parts of multi-process mode: a worker's host snapshots (its own shards, buddy copies, the
 newest step the survivors hold whole), its restore from pieces, the keepers' parts, jitted calls made portable for
 the standby group, and the mode's configuration."""
+
 from __future__ import annotations
 
 import pickle
@@ -21,7 +22,6 @@ from elastic.snapshot import HostImage
 from elastic.snapshot.image import LeafImage, Piece, checksum
 from elastic.snapshot.keeper import _covers
 
-
 W = 1  # the leaf index of "w" (leaves in key order: "k", "w")
 
 
@@ -31,8 +31,10 @@ def _mesh(n: int = 4) -> Mesh:
 
 def _state(mesh: Mesh) -> dict:
     rows = NamedSharding(mesh, PartitionSpec(("replica", "local")))
-    return {"w": jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), rows),
-            "k": jax.jit(lambda: jax.random.key(7), out_shardings=NamedSharding(mesh, PartitionSpec()))()}
+    return {
+        "w": jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), rows),
+        "k": jax.jit(lambda: jax.random.key(7), out_shardings=NamedSharding(mesh, PartitionSpec()))(),
+    }
 
 
 def _holdings(state: dict, steps: tuple[int, ...], sent: list | None = None) -> Holdings:
@@ -65,9 +67,16 @@ def test_a_worker_holds_its_own_regions_and_cuts_any_region_from_them() -> None:
 def test_buddy_copies_are_private_and_a_rollback_drops_the_future() -> None:
     holdings = Holdings(keep=2)
     data = np.arange(4.0)
-    image = HostImage(step=10, generation=1, meta={"_regions": [[((4, 8),)]]},
-                      leaves=(LeafImage(shape=(8,), dtype="float64", pieces=(
-                          Piece(index=((4, 8),), data=data, checksum=checksum(data)),)),))
+    image = HostImage(
+        step=10,
+        generation=1,
+        meta={"_regions": [[((4, 8),)]]},
+        leaves=(
+            LeafImage(
+                shape=(8,), dtype="float64", pieces=(Piece(index=((4, 8),), data=data, checksum=checksum(data)),)
+            ),
+        ),
+    )
     holdings.hold(3, image)
     data[:] = -1  # the sender's buffer is reused: the copy held here must not change
     np.testing.assert_array_equal(holdings.find(10, 0, ((5, 7),)), [1.0, 2.0])
@@ -93,8 +102,10 @@ def test_restore_places_each_device_region_from_local_pieces_or_asks_for_the_res
     state = _state(mesh4)
     holdings = _holdings(state, (10,))
     abstract = jax.eval_shape(lambda: state)
-    shardings = {"w": NamedSharding(mesh2, PartitionSpec(("replica", "local"))),
-                 "k": NamedSharding(mesh2, PartitionSpec())}
+    shardings = {
+        "w": NamedSharding(mesh2, PartitionSpec(("replica", "local"))),
+        "k": NamedSharding(mesh2, PartitionSpec()),
+    }
     meta = holdings.meta(10)
     asked = []
     local = lambda leaf: [p for p in holdings.pieces(10, leaf) if leaf != W or p[0][0][0] < 4]  # noqa: E731
@@ -113,8 +124,15 @@ def test_restore_places_each_device_region_from_local_pieces_or_asks_for_the_res
 def test_keeper_parts_make_a_whole_step_only_together() -> None:
     def part(lo: int, hi: int) -> HostImage:
         data = np.zeros(hi - lo)
-        return HostImage(step=5, generation=1, leaves=(LeafImage(shape=(8,), dtype="float64", pieces=(
-            Piece(index=((lo, hi),), data=data, checksum=checksum(data)),)),))
+        return HostImage(
+            step=5,
+            generation=1,
+            leaves=(
+                LeafImage(
+                    shape=(8,), dtype="float64", pieces=(Piece(index=((lo, hi),), data=data, checksum=checksum(data)),)
+                ),
+            ),
+        )
 
     assert not _covers([part(0, 4)])
     assert _covers([part(0, 4), part(4, 8)])
@@ -134,14 +152,17 @@ def test_a_jitted_call_survives_the_trip_to_another_process() -> None:
     assert runtime.standby.portable(placed) is None  # its shardings name this process's mesh
 
 
-@pytest.mark.parametrize("overrides, word", [
-    ({"collective_timeout_s": 0}, "collective_timeout_s"),
-    ({"rendezvous_timeout_s": 1.5}, "rendezvous_timeout_s"),
-    ({"settle_timeout_s": -1}, "settle_timeout_s"),
-    ({"replace_lost": "yes"}, "replace_lost"),
-    ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker"),
-    ({"resources_per_worker": ["GPU"]}, "resources_per_worker"),
-])
+@pytest.mark.parametrize(
+    "overrides, word",
+    [
+        ({"collective_timeout_s": 0}, "collective_timeout_s"),
+        ({"rendezvous_timeout_s": 1.5}, "rendezvous_timeout_s"),
+        ({"settle_timeout_s": -1}, "settle_timeout_s"),
+        ({"replace_lost": "yes"}, "replace_lost"),
+        ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker"),
+        ({"resources_per_worker": ["GPU"]}, "resources_per_worker"),
+    ],
+)
 def test_bad_processes_config_is_refused_at_once_naming_the_field(overrides: dict, word: str) -> None:
     with pytest.raises(ConfigError, match=word):
         Processes(**overrides)

@@ -1,4 +1,5 @@
 """Ray's own output routing (elastic.quiet): quiet by default, back with -v / ELASTIC_VERBOSE."""
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,11 @@ def test_the_error_listeners_lines_leave_stdout(ray_logger, capsys, monkeypatch)
     monkeypatch.setattr(worker, "print_to_stdstream", lambda data, ignore_prefix: seen.append(data))
     quiet.route_ray_errors()
     quiet.route_ray_errors()  # idempotent
-    line = {"lines": ["Task Supervisor.heartbeat failed. There are infinite retries remaining"], "pid": "raylet",
-            "is_err": False}
+    line = {
+        "lines": ["Task Supervisor.heartbeat failed. There are infinite retries remaining"],
+        "pid": "raylet",
+        "is_err": False,
+    }
     worker.print_to_stdstream(line, ignore_prefix=False)
     worker.print_to_stdstream({"lines": ["a worker's print"], "pid": 123, "is_err": False}, ignore_prefix=False)
     out = capsys.readouterr()
@@ -58,8 +62,10 @@ def test_the_error_listeners_lines_leave_stdout(ray_logger, capsys, monkeypatch)
 
 def test_jaxs_fork_warning_is_ignored_only_while_ray_starts():
     def fork_warning():
-        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code",  # noqa: B028 (as jax warns)
-                      RuntimeWarning)
+        warnings.warn(  # noqa: B028 (as jax warns)
+            "os.fork() was called. os.fork() is incompatible with multithreaded code",
+            RuntimeWarning,
+        )
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

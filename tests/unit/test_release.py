@@ -1,4 +1,5 @@
 """Release basics: the version, the license, the type marker and the docs' config agree with pyproject."""
+
 from __future__ import annotations
 
 import tomllib
@@ -83,9 +84,17 @@ def test_outside_the_checkout_only_elastic_imports():
     import subprocess
     import sys
 
-    code = ("import importlib.util, elastic.snapshot, elastic.runtime\n"
-            "print(importlib.util.find_spec('snapshot'), importlib.util.find_spec('runtime'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    code = (
+        "import importlib.util, elastic.snapshot, elastic.runtime\n"
+        "print(importlib.util.find_spec('snapshot'), importlib.util.find_spec('runtime'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["None", "None"], out.stdout

@@ -1,11 +1,13 @@
 """Simulated slice loss: guarded computations, slice probes, and resharding onto the survivors."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from elastic import runtime
 from elastic.runtime import simulated

@@ -4,6 +4,7 @@ Every test saves from a 4x2 mesh (slice = device.id // 2) and restores onto that
 6 devices (slice 3 gone) or devices [0, 1, 4, 5, 6, 7] (slice 1 gone). Slice loss goes through
 ``runtime.simulated`` and the snapshotter's guard seam, corruption through ``snapshot.testing``.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -15,12 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import structlog.testing
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from elastic import runtime
-from elastic.snapshot import (HostImage, NoSnapshotError, SnapshotConfig, SnapshotConfigError, SnapshotCorruptError,
-                      SnapshotFailedError, Snapshotter, SnapshotStructureError, SnapshotUnavailableError,
-                      restore_image)
+from elastic.snapshot import (
+    HostImage,
+    NoSnapshotError,
+    SnapshotConfig,
+    SnapshotConfigError,
+    SnapshotCorruptError,
+    SnapshotFailedError,
+    SnapshotStructureError,
+    Snapshotter,
+    SnapshotUnavailableError,
+    restore_image,
+)
 from elastic.snapshot.testing import copies_of, flip_byte
 
 ENGINES = ("host", "device")
@@ -42,10 +53,23 @@ MESH6_NO1 = mesh_of([0, 1, 4, 5, 6, 7], 3)  # slice 1 gone
 MESHES = {"same": MESH8, "first6": MESH6, "without_slice1": MESH6_NO1}
 
 # Leaves in tree order (dict keys sorted): b, h, keys, lr, n, r, step, w.
-SPECS = {"b": P(None, "local"), "h": P("replica"), "keys": P("replica"), "lr": None, "n": P(), "r": P(),
-         "step": None, "w": P("replica", "local")}
-META = {"epoch": 3, "cursor": [7, (1, 2)], "nested": {"a": {"b": [1, {"c": (3,)}]}, 4: "four"}, "big": 2**62,
-        "none": None}
+SPECS = {
+    "b": P(None, "local"),
+    "h": P("replica"),
+    "keys": P("replica"),
+    "lr": None,
+    "n": P(),
+    "r": P(),
+    "step": None,
+    "w": P("replica", "local"),
+}
+META = {
+    "epoch": 3,
+    "cursor": [7, (1, 2)],
+    "nested": {"a": {"b": [1, {"c": (3,)}]}, 4: "four"},
+    "big": 2**62,
+    "none": None,
+}
 
 
 def make_state(mesh: Mesh = MESH8, seed: int = 0, specs: dict = SPECS) -> dict:
@@ -56,9 +80,13 @@ def make_state(mesh: Mesh = MESH8, seed: int = 0, specs: dict = SPECS) -> dict:
     w[0, 0], w[1, 1] = -0.0, np.float32(1e-45)
     b = rng.normal(size=(24, 4)).astype(jnp.bfloat16)
     b[2, 3] = np.nan
-    host = {"w": w, "r": rng.normal(size=(16,)).astype(np.float32),
-            "h": rng.integers(-2**31, 2**31 - 1, size=(24, 3), dtype=np.int32), "b": b,
-            "n": np.int32(-123456789 + seed)}
+    host = {
+        "w": w,
+        "r": rng.normal(size=(16,)).astype(np.float32),
+        "h": rng.integers(-(2**31), 2**31 - 1, size=(24, 3), dtype=np.int32),
+        "b": b,
+        "n": np.int32(-123456789 + seed),
+    }
     state = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
     state["keys"] = jax.device_put(jax.random.split(jax.random.key(seed), 24), NamedSharding(mesh, specs["keys"]))
     state["step"] = 7 + seed
@@ -93,8 +121,9 @@ def bytes_by_device(snap: Snapshotter, generation: int = -1) -> dict[int, int]:
     for rec in gen.leaves:
         for piece in rec.pieces:
             for c in piece.copies:
-                held[c.device.id] += int(np.prod([hi - lo for lo, hi in piece.index], dtype=np.int64)) * \
-                    np.dtype(rec.dtype).itemsize
+                held[c.device.id] += (
+                    int(np.prod([hi - lo for lo, hi in piece.index], dtype=np.int64)) * np.dtype(rec.dtype).itemsize
+                )
     return dict(held)
 
 
@@ -162,8 +191,12 @@ def test_abstract_target_and_returned_meta_is_a_copy(make):
     snap = make()
     state = make_state()
     saved(snap, 7, state, META)
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH6_NO1, SPECS[k]))
-                if isinstance(v, jax.Array) else v for k, v in state.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH6_NO1, SPECS[k]))
+        if isinstance(v, jax.Array)
+        else v
+        for k, v in state.items()
+    }
     first = snap.load(abstract)
     assert_same(first.state, tree_bits(state))
     first.meta["nested"]["a"]["b"].append("changed")
@@ -176,9 +209,12 @@ def test_restored_state_never_aliases_the_snapshot(make, engine):
     an in-place step leaves the snapshot intact."""
     snap = make(engine=engine, keep=1)
     specs = {"w": SPECS["w"], "r": P()}
+
     def put(v: float) -> dict:
-        return {"w": jax.device_put(np.full((24, 8), v, np.float32), NamedSharding(MESH8, SPECS["w"])),
-                "r": jax.device_put(np.full((16,), v, np.float32), NamedSharding(MESH8, P()))}
+        return {
+            "w": jax.device_put(np.full((24, 8), v, np.float32), NamedSharding(MESH8, SPECS["w"])),
+            "r": jax.device_put(np.full((16,), v, np.float32), NamedSharding(MESH8, P())),
+        }
 
     state = put(1.0)
     expected = tree_bits(state)
@@ -318,8 +354,9 @@ def test_three_copies_survive_two_lost_slices(make):
     restored = snap.load(shardings_on(MESH_0_3, {"a": P(), "b": P("replica", "local"), "c": P()}))
     assert_same(restored.state, expected)
     image = snap.image()  # read from the survivors only
-    assert restore_image(image, jax.tree.structure(state), shardings_on(MESH_0_3, {
-        "a": P(), "b": P("replica"), "c": P()}))["c"].shape == (24, 2)
+    assert restore_image(
+        image, jax.tree.structure(state), shardings_on(MESH_0_3, {"a": P(), "b": P("replica"), "c": P()})
+    )["c"].shape == (24, 2)
 
 
 # -- 4. integrity -------------------------------------------------------------------------
@@ -526,8 +563,10 @@ def test_donating_the_state_right_after_save(make, engine):
     stepped = threading.Event()
     snap = make(engine=engine, guard=lambda devices: stepped.wait(10.0))  # no copy is written before the steps
     rng = np.random.default_rng(0)
-    state = {"w": jax.device_put(rng.normal(size=(384, 512)).astype(np.float32), NamedSharding(MESH8, SPECS["w"])),
-             "r": jax.device_put(rng.normal(size=(256, 256)).astype(np.float32), NamedSharding(MESH8, P()))}
+    state = {
+        "w": jax.device_put(rng.normal(size=(384, 512)).astype(np.float32), NamedSharding(MESH8, SPECS["w"])),
+        "r": jax.device_put(rng.normal(size=(256, 256)).astype(np.float32), NamedSharding(MESH8, P())),
+    }
     expected = tree_bits(state)
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3.0 + 1.0, s), donate_argnums=0)
     snap.save(1, state)
@@ -543,13 +582,16 @@ def test_donating_the_state_right_after_save(make, engine):
 # -- 8. rollback ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps,held", [
-    ((10, 20, 30, 20), (10, 20)),  # a rollback: 20 and 30 belong to a discarded future
-    ((10, 20, 30, 5), (5,)),
-    ((10, 20, 30, 30), (10, 20, 30)),  # a repeat replaces the generation of that step
-    ((10, 20, 20), (10, 20)),
-    ((10, 20, 30, 40), (20, 30, 40)),  # keep=3
-])
+@pytest.mark.parametrize(
+    "steps,held",
+    [
+        ((10, 20, 30, 20), (10, 20)),  # a rollback: 20 and 30 belong to a discarded future
+        ((10, 20, 30, 5), (5,)),
+        ((10, 20, 30, 30), (10, 20, 30)),  # a repeat replaces the generation of that step
+        ((10, 20, 20), (10, 20)),
+        ((10, 20, 30, 40), (20, 30, 40)),  # keep=3
+    ],
+)
 def test_saving_an_older_step_drops_the_newer_generations(make, steps, held):
     snap = make(keep=3)
     states = [make_state(seed=i) for i in range(3)]
@@ -565,8 +607,19 @@ def test_saving_an_older_step_drops_the_newer_generations(make, steps, held):
 # -- 9. clear errors --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field,value", [("keep", 0), ("copies", 0), ("keep", True), ("copies", -1),
-                                         ("threads", 0), ("keep", 1.5), ("on_busy", "x"), ("engine", "tpu")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("keep", 0),
+        ("copies", 0),
+        ("keep", True),
+        ("copies", -1),
+        ("threads", 0),
+        ("keep", 1.5),
+        ("on_busy", "x"),
+        ("engine", "tpu"),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(SnapshotConfigError, match=field) as info:
         SnapshotConfig(**{field: value})
@@ -582,11 +635,14 @@ def test_load_before_any_save(make):
     assert snap.latest is None and snap.steps == ()
 
 
-@pytest.mark.parametrize("target", [
-    {"w": NamedSharding(MESH8, P())},
-    [NamedSharding(MESH8, P())] * 8,
-    {**shardings_on(MESH8), "extra": NamedSharding(MESH8, P())},
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        {"w": NamedSharding(MESH8, P())},
+        [NamedSharding(MESH8, P())] * 8,
+        {**shardings_on(MESH8), "extra": NamedSharding(MESH8, P())},
+    ],
+)
 def test_target_of_another_structure(make, target):
     snap = make()
     state = make_state()
@@ -646,8 +702,11 @@ def test_a_slice_lost_mid_snapshot_leaves_a_usable_snapshot_on_the_survivors(mak
 
 
 def _pointers(state) -> set[int]:
-    arrays = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-              for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    arrays = [
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in jax.tree_util.tree_leaves(state)
+        if isinstance(x, jax.Array)
+    ]
     return {s.data.unsafe_buffer_pointer() for x in arrays for s in x.addressable_shards}
 
 
@@ -658,8 +717,12 @@ def test_restore_gives_runtime_owned_buffers_that_never_alias_the_snapshot_and_c
     state2 = make_state(seed=2)
     saved(snap, 2, state2)
     expected = tree_bits(state2)
-    held = {c.buffer.ctypes.data for leaf in snap._generations[-1].leaves for p in leaf.pieces  # noqa: SLF001
-            for c in p.copies}
+    held = {
+        c.buffer.ctypes.data
+        for leaf in snap._generations[-1].leaves
+        for p in leaf.pieces  # noqa: SLF001
+        for c in p.copies
+    }
     restored = snap.load(shardings_on(MESH6_NO1))
     assert not _pointers(restored.state) & held  # nothing aliases the snapshot
     assert snap.steps == (2,)  # the generation stays
@@ -702,7 +765,9 @@ def test_a_snapshot_in_flight_is_restored_from_its_staged_shards_without_waiting
         gate.set()
     assert restored.step == 2 and restored.meta == {"cursor": 2}
     assert_same(restored.state, expected)
-    source = {s.data.unsafe_buffer_pointer() for s in state2["w"].addressable_shards if s.device.id in (0, 1, 4, 5, 6, 7)}
+    source = {
+        s.data.unsafe_buffer_pointer() for s in state2["w"].addressable_shards if s.device.id in (0, 1, 4, 5, 6, 7)
+    }
     assert _pointers({"w": restored.state["w"]}) & source  # some survivors kept their own shard: nothing moved
     snap.wait()
     stats = snap.stats()

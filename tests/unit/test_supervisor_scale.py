@@ -1,5 +1,6 @@
 """The supervisor's incremental judging: a HealthTally folded event by event decides as the history does,
 and deciding from it costs O(slices), not O(history x slices)."""
+
 from __future__ import annotations
 
 import random
@@ -67,8 +68,10 @@ def test_tally_folded_event_by_event_matches_the_history(policy, seed):
 
 def test_decide_reads_a_tally_without_changing_it():
     policy = Policy(min_slices=2)
-    history = [*(HealthEvent(time=0.0, slice=s, healthy=True) for s in range(4)),
-               HealthEvent(time=5.0, slice=1, healthy=False)]
+    history = [
+        *(HealthEvent(time=0.0, slice=s, healthy=True) for s in range(4)),
+        HealthEvent(time=5.0, slice=1, healthy=False),
+    ]
     tally = HealthTally(policy, history)
     before = (set(tally.healthy), set(tally.usable), set(tally.quarantined), tally.below_min_since)
     first = decide(View(epoch=1, active=frozenset(range(4))), tally, 6.0, policy)

@@ -1,4 +1,5 @@
 """Grouping devices into slices, and meshes over the healthy ones."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 
 Pure jax on the forced CPU devices: ``StepRunner.on_mesh`` is the path ``Trainer._loop`` takes.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ MOMENTUM = 0.9
 
 def init_params(key: jax.Array) -> dict[str, jax.Array]:
     k1, k2 = jax.random.split(key)
-    return {"w1": jax.random.normal(k1, (IN, HIDDEN)) / np.sqrt(IN), "b1": jnp.zeros((HIDDEN,)),
-            "w2": jax.random.normal(k2, (HIDDEN, 1)) / np.sqrt(HIDDEN)}
+    return {
+        "w1": jax.random.normal(k1, (IN, HIDDEN)) / np.sqrt(IN),
+        "b1": jnp.zeros((HIDDEN,)),
+        "w2": jax.random.normal(k2, (HIDDEN, 1)) / np.sqrt(HIDDEN),
+    }
 
 
 def batch(step: int, rows: int = ROWS) -> dict[str, np.ndarray]:
@@ -51,8 +55,12 @@ def dropout_loss(params, data, *, keys):
 
 
 def bn_aux_init(params):
-    return {"mean": jnp.zeros((HIDDEN,)), "sq": jnp.ones((HIDDEN,)), "var": jnp.ones((HIDDEN,)),
-            "count": jnp.zeros((), jnp.int32)}
+    return {
+        "mean": jnp.zeros((HIDDEN,)),
+        "sq": jnp.ones((HIDDEN,)),
+        "var": jnp.ones((HIDDEN,)),
+        "count": jnp.zeros((), jnp.int32),
+    }
 
 
 def bn_loss(params, data, *, aux, keys):
@@ -62,8 +70,12 @@ def bn_loss(params, data, *, aux, keys):
     h = jax.vmap(_dropout)(keys, jax.nn.relu((z - mean) / jnp.sqrt(var + 1e-5) + params["b1"]))
     loss = jnp.mean((h @ params["w2"] - data["y"]) ** 2)
     ema = lambda old, new: MOMENTUM * old + (1 - MOMENTUM) * jax.lax.stop_gradient(new)  # noqa: E731
-    return loss, {"mean": ema(aux["mean"], mean), "sq": ema(aux["sq"], (z**2).mean(axis=0)),
-                  "var": ema(aux["var"], var), "count": aux["count"] + 1}
+    return loss, {
+        "mean": ema(aux["mean"], mean),
+        "sq": ema(aux["sq"], (z**2).mean(axis=0)),
+        "var": ema(aux["var"], var),
+        "count": aux["count"] + 1,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +91,9 @@ def place(tree, mesh):
 
 def diff(a, b) -> float:
     pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-    return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in pairs),
-               default=0.0)
+    return max(
+        (float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in pairs), default=0.0
+    )
 
 
 def step_key(step: int, seed: int = 0) -> jax.Array:
@@ -94,7 +107,9 @@ def one_step(opt, mesh, state, data, step=0):
 
 def test_the_6_device_step_is_micro_batched(meshes):
     assert [(c.start, c.size, c.sharded) for c in plan_microbatches(ROWS, meshes[1].devices.size)] == [
-        (0, 30, True), (30, 2, False)]
+        (0, 30, True),
+        (30, 2, False),
+    ]
 
 
 @pytest.mark.parametrize(("loss_fn", "rng"), [(mean_loss, False), (dropout_loss, True)], ids=["mean", "dropout"])
@@ -106,8 +121,10 @@ def test_micro_batched_gradient_equals_whole_batch(meshes, loss_fn, rng):
     on6, loss6 = one_step(opt, meshes[1], state, batch(0))
     moved = diff(on8["params"], state["params"])
     assert moved > 1e-2, "the step must change the params"
-    print(f"{loss_fn.__name__}: max |grad diff| 8 vs 6 devices = {diff(on8['params'], on6['params']):.2e}, "
-          f"|loss diff| = {abs(loss8 - loss6):.2e}")
+    print(
+        f"{loss_fn.__name__}: max |grad diff| 8 vs 6 devices = {diff(on8['params'], on6['params']):.2e}, "
+        f"|loss diff| = {abs(loss8 - loss6):.2e}"
+    )
     assert diff(on8["params"], on6["params"]) < GRAD_TOL
     assert abs(loss8 - loss6) < GRAD_TOL
 
@@ -175,8 +192,10 @@ def test_weighted_mean_aux_is_the_size_weighted_mean_of_the_chunks(meshes):
     on8, loss8 = one_step(opt, meshes[0], state, batch(0))
     on6, loss6 = one_step(opt, meshes[1], state, batch(0))
     data, key = batch(0), step_key(0)
-    chunks = [opt.objective(state["params"], {k: v[c.start:c.stop] for k, v in data.items()}, state["aux"], key,
-                            c.start)[1] for c in plan_microbatches(ROWS, 6)]
+    chunks = [
+        opt.objective(state["params"], {k: v[c.start : c.stop] for k, v in data.items()}, state["aux"], key, c.start)[1]
+        for c in plan_microbatches(ROWS, 6)
+    ]
     expected = {k: 30 / 32 * chunks[0][k] + 2 / 32 * chunks[1][k] for k in ("mean", "sq", "var")}
     for k in ("mean", "sq", "var"):
         np.testing.assert_allclose(on6["aux"][k], expected[k], rtol=1e-5, atol=1e-6)
@@ -184,8 +203,10 @@ def test_weighted_mean_aux_is_the_size_weighted_mean_of_the_chunks(meshes):
     # Affine in per-example means: the same as the whole batch's, up to float order.
     mean_diff, sq_diff = diff(on8["aux"]["mean"], on6["aux"]["mean"]), diff(on8["aux"]["sq"], on6["aux"]["sq"])
     var_diff = diff(on8["aux"]["var"], on6["aux"]["var"])
-    print(f"BatchNorm 8 vs 6 devices: running mean {mean_diff:.2e}, second moment {sq_diff:.2e}, variance "
-          f"{var_diff:.2e}, loss {abs(loss8 - loss6):.2e}, params {diff(on8['params'], on6['params']):.2e}")
+    print(
+        f"BatchNorm 8 vs 6 devices: running mean {mean_diff:.2e}, second moment {sq_diff:.2e}, variance "
+        f"{var_diff:.2e}, loss {abs(loss8 - loss6):.2e}, params {diff(on8['params'], on6['params']):.2e}"
+    )
     assert mean_diff < GRAD_TOL and sq_diff < GRAD_TOL
     # Not exact (as documented): the variance misses the between-chunk term; the loss uses chunk statistics.
     assert var_diff > 1e-4
@@ -193,8 +214,14 @@ def test_weighted_mean_aux_is_the_size_weighted_mean_of_the_chunks(meshes):
 
 
 def test_trainer_refuses_a_global_batch_an_aux_step_would_micro_batch():
-    cfg = ElasticConfig(job_name="aux-refuse", num_slices=4, devices_per_slice=2, num_steps=4,
-                        global_batch_size=ROWS, policy=Policy(min_slices=3))
+    cfg = ElasticConfig(
+        job_name="aux-refuse",
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=4,
+        global_batch_size=ROWS,
+        policy=Policy(min_slices=3),
+    )
     with pytest.raises(ConfigError, match=r"32 rows does not split over \[6\] devices.*multiple of 24"):
         Trainer(init_fn=init_params, step_fn=bn_step(), batch_fn=batch, config=cfg)
 

@@ -1,12 +1,31 @@
 """The controller's transition function as a table: (state, event) -> (next state, action)."""
+
 from __future__ import annotations
 
 import pytest
 
+from elastic.control.transitions import (
+    Abort,
+    AwaitView,
+    Boundary,
+    Failed,
+    Finish,
+    GiveUp,
+    LoopReturned,
+    Machine,
+    Noted,
+    NoteFailure,
+    Prepare,
+    Probe,
+    Probed,
+    Ready,
+    RunPass,
+    Started,
+    State,
+    ViewSeen,
+    transition,
+)
 from elastic.supervision.membership import View
-from elastic.control.transitions import (Abort, AwaitView, Boundary, Failed, Finish, GiveUp, LoopReturned, Machine,
-                                 NoteFailure, Noted, Prepare, Probe, Probed, Ready, RunPass, Started, State,
-                                 ViewSeen, transition)
 
 S = State
 V4 = View(epoch=1, active=frozenset({0, 1, 2, 3}))
@@ -23,9 +42,18 @@ TABLE = [
     ("resharded", S.RESHARDING, V3, Ready(), S.RUNNING, V3, RunPass()),
     ("grown", S.GROWING, V4_BACK, Ready(), S.RUNNING, V4_BACK, RunPass()),
     ("finished", S.RUNNING, V4, LoopReturned(complete=True, last_step=9), S.FINISHED, V4, Finish()),
-    ("returned-early", S.RUNNING, V4, LoopReturned(complete=False, last_committed=3, last_step=9), S.FINISHED, V4,
-     Abort("early_return", "the loop returned before committing step 9 (last committed: 3): "
-                           "iterate run.steps to the end")),
+    (
+        "returned-early",
+        S.RUNNING,
+        V4,
+        LoopReturned(complete=False, last_committed=3, last_step=9),
+        S.FINISHED,
+        V4,
+        Abort(
+            "early_return",
+            "the loop returned before committing step 9 (last committed: 3): iterate run.steps to the end",
+        ),
+    ),
     ("grow-at-boundary", S.RUNNING, V3, Boundary(V4_BACK), S.GROWING, V4_BACK, Prepare(V4_BACK, live=True)),
     ("shrink-at-boundary", S.RUNNING, V4, Boundary(V3), S.RESHARDING, V3, Prepare(V3, live=True)),
     ("gave-up-at-boundary", S.RUNNING, V4, Boundary(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
@@ -40,23 +68,55 @@ TABLE = [
     ("noted-gave-up", S.FAILED, V4, Noted(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
     ("probed-dead", S.PROBING, V4, Probed(DEAD, attempt=1), S.AWAITING_VIEW, V4, AwaitView(DEAD, 1)),
     ("probed-none-retry", S.PROBING, V4, Probed(frozenset(), attempt=3), S.RESTORING, V4, Prepare(V4, live=False)),
-    ("probed-none-exhausted", S.PROBING, V4, Probed(frozenset(), attempt=4), S.GAVE_UP, V4,
-     Abort("persistent", "slice-loss errors persist with every slice healthy after 3 retries")),
-    ("probed-none-hung-retry", S.PROBING, V4, Probed(frozenset(), attempt=2, cause="StepHungError: step 3", hung=True),
-     S.RESTORING, V4, Prepare(V4, live=False)),
-    ("probed-none-hung-exhausted", S.PROBING, V4,
-     Probed(frozenset(), attempt=4, cause="StepHungError: step 3 made no progress in 1s", hung=True), S.GAVE_UP, V4,
-     Abort("persistent", "hung steps persist with every slice healthy after 3 retries; the last: StepHungError: "
-                         "step 3 made no progress in 1s")),
-    ("probed-hung-dead", S.PROBING, V4, Probed(DEAD, attempt=1, cause="StepHungError: step 3", hung=True),
-     S.AWAITING_VIEW, V4, AwaitView(DEAD, 1)),
+    (
+        "probed-none-exhausted",
+        S.PROBING,
+        V4,
+        Probed(frozenset(), attempt=4),
+        S.GAVE_UP,
+        V4,
+        Abort("persistent", "slice-loss errors persist with every slice healthy after 3 retries"),
+    ),
+    (
+        "probed-none-hung-retry",
+        S.PROBING,
+        V4,
+        Probed(frozenset(), attempt=2, cause="StepHungError: step 3", hung=True),
+        S.RESTORING,
+        V4,
+        Prepare(V4, live=False),
+    ),
+    (
+        "probed-none-hung-exhausted",
+        S.PROBING,
+        V4,
+        Probed(frozenset(), attempt=4, cause="StepHungError: step 3 made no progress in 1s", hung=True),
+        S.GAVE_UP,
+        V4,
+        Abort(
+            "persistent",
+            "hung steps persist with every slice healthy after 3 retries; the last: StepHungError: "
+            "step 3 made no progress in 1s",
+        ),
+    ),
+    (
+        "probed-hung-dead",
+        S.PROBING,
+        V4,
+        Probed(DEAD, attempt=1, cause="StepHungError: step 3", hung=True),
+        S.AWAITING_VIEW,
+        V4,
+        AwaitView(DEAD, 1),
+    ),
     ("view-seen", S.AWAITING_VIEW, V4, ViewSeen(V3), S.RESTORING, V3, Prepare(V3, live=False)),
     ("view-seen-gave-up", S.AWAITING_VIEW, V4, ViewSeen(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
 ]
 
 
-@pytest.mark.parametrize(("state", "view", "event", "next_state", "next_view", "action"),
-                         [pytest.param(*row[1:], id=row[0]) for row in TABLE])
+@pytest.mark.parametrize(
+    ("state", "view", "event", "next_state", "next_view", "action"),
+    [pytest.param(*row[1:], id=row[0]) for row in TABLE],
+)
 def test_transition(state, view, event, next_state, next_view, action):
     machine, got = transition(Machine(state, view), event, max_transient_retries=3)
     assert machine == Machine(next_state, next_view)
@@ -64,9 +124,16 @@ def test_transition(state, view, event, next_state, next_view, action):
 
 
 IMPOSSIBLE = [
-    (S.RUNNING, Started(V4)), (S.RUNNING, Ready()), (S.FINISHED, Failed("x")), (S.GAVE_UP, Ready()),
-    (S.PROBING, ViewSeen(V3)), (S.AWAITING_VIEW, Probed(DEAD, 1)), (S.RESTORING, LoopReturned(True)),
-    (S.RESTORING, Boundary(V3)), (S.FAILED, Probed(DEAD, 1)), (S.RUNNING, Noted(V3)),
+    (S.RUNNING, Started(V4)),
+    (S.RUNNING, Ready()),
+    (S.FINISHED, Failed("x")),
+    (S.GAVE_UP, Ready()),
+    (S.PROBING, ViewSeen(V3)),
+    (S.AWAITING_VIEW, Probed(DEAD, 1)),
+    (S.RESTORING, LoopReturned(True)),
+    (S.RESTORING, Boundary(V3)),
+    (S.FAILED, Probed(DEAD, 1)),
+    (S.RUNNING, Noted(V3)),
 ]
 
 

@@ -1,4 +1,5 @@
 """The step watchdog's runtime side: bounded waits, simulated hangs that really block, bounded probes."""
+
 from __future__ import annotations
 
 import pickle
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import io_callback
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from elastic import runtime
 from elastic.runtime import FailureKind, StepHungError, classify_failure, hangs, is_recoverable, simulated
