@@ -149,16 +149,21 @@ class Schedule:
     multi: bool = False  # a multi-process job's: its workers carry out kills placed in a step or a re-formation
 
     def _planned(self, f: ChaosFault) -> bool:
-        return (f.phase == "step" and f.kind in PLAN_KINDS) or (
-            self.multi and f.kind == "kill" and f.phase in WORKER_PHASES
+        return (
+            (f.phase == "step" and f.kind in PLAN_KINDS)
+            or (self.multi and f.kind == "kill" and f.phase in WORKER_PHASES)
+            or (self.multi and f.kind == "supervisor_restart" and f.phase == "step")
         )
 
     def plan(self) -> Faults:
         """The faults ``elastic.Faults`` carries out itself (phase ``step``, its kinds; in multi-process mode also
-        the kills its workers place inside a step's collectives, a group's forming or its restore)."""
+        the kills its workers place inside a step's collectives, a group's forming or its restore, and the
+        supervisor's restart, which the driver carries out)."""
         faults = Faults()
         for f in self.faults:
-            if self.multi and f.kind == "kill" and f.phase in WORKER_PHASES:
+            if self.multi and f.kind == "supervisor_restart" and f.phase == "step":
+                faults.restart_supervisor(at_step=f.at_step)
+            elif self.multi and f.kind == "kill" and f.phase in WORKER_PHASES:
                 assert f.slice is not None
                 faults.kill_slice(f.slice, at_step=f.at_step, during=WORKER_PHASES[f.phase])  # type: ignore[arg-type]
             elif f.phase == "step" and f.kind in PLAN_KINDS:
@@ -484,6 +489,7 @@ CATALOGUE: tuple[Scenario, ...] = (
         phases=("step",),
         build=_supervisor_restart,
         since=3,
+        multi=True,
     ),
     Scenario(
         name="supervisor_lost",

@@ -15,7 +15,7 @@ from elastic.errors import ConfigError
 
 __all__ = ["Fault", "Faults"]
 
-Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang"]
+Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang", "supervisor_restart"]
 
 
 During = Literal["step", "collective", "forming", "restore"]
@@ -70,6 +70,11 @@ class Faults:
         """The client process is SIGKILLed as step ``at_step`` starts (a crashed driver): nothing unwinds,
         and the job's detached actors, keepers included, are left for a new client to take over."""
         return self._add(Fault(kind="kill_client", at_step=at_step))
+
+    def restart_supervisor(self, *, at_step: int) -> Faults:
+        """The job's supervisor actor is killed as step ``at_step`` starts; Ray restarts it and it rebuilds its view
+        from the job's event stream (the job carries on; a slice lost after it is still seen). Both modes."""
+        return self._add(Fault(kind="supervisor_restart", at_step=at_step))
 
     def _add(self, fault: Fault) -> Faults:
         for name in ("at_step", "slice"):

@@ -93,6 +93,10 @@ class FaultInjector:
         if fault.kind == "transient":
             self._acct.report.failures_injected += 1
             raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {fault.at_step}")
+        if fault.kind == "supervisor_restart":
+            self._acct.report.failures_injected += 1
+            self._group().kill_supervisor(no_restart=False)
+            return
         if fault.kind == "hang":  # the step's next compiled call never completes until the watchdog aborts it
             self._acct.report.failures_injected += 1
             runtime.hangs.arm(None if fault.slice is None else self._topology.slice(fault.slice))
@@ -260,6 +264,9 @@ class DriverFaults:
             assert fault.slice is not None
             self._group().revive(fault.slice)  # unless a replacement is starting, or the slice is back
             return
+        if fault.kind == "supervisor_restart":
+            self._log.warning("fault_injected", kind=fault.kind, step=fault.at_step)
+            self._group().kill_supervisor(no_restart=False)
         self._acct.report.failures_injected += 1
 
 

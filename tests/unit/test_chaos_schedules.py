@@ -36,6 +36,7 @@ def test_consecutive_schedules_cover_the_catalogue():
         "silence",
         "kill",
         "two_at_once",
+        "supervisor_restart",
     } <= multi
 
 
@@ -171,6 +172,8 @@ def test_multi_process_schedules_place_real_process_kills_in_steps_and_re_format
             assert s.expect == "finish", s  # replacements arrive: the job waits for them
     placed = {f.during for s in drawn for f in s.plan().faults if f.kind == "kill"}
     assert placed == {"step", "collective", "forming", "restore"}
+    restart = [s for s in drawn if s.scenario == "supervisor_restart"][0]  # the driver restarts the supervisor
+    assert [f.kind for f in restart.plan().faults] == ["supervisor_restart", "kill"]
     buddy = [s for s in drawn if s.scenario == "kill_with_buddy"][0]
     a, b = sorted(f.slice for f in buddy.faults)
     assert (b - a) % MULTI.num_slices in (1, MULTI.num_slices - 1)
