@@ -137,6 +137,9 @@ class Supervisor:
         for s in self._tally.healthy:
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
+        # The agent each active slice had (the newest the log names): a new incarnation registering for one of them
+        # replaces a lost member, which needs a new view even if the old agent died before re-registering here.
+        self._view_agents = {s: self._newest[s] for s in self._view.active if s in self._newest}
         self._resume = self._view.epoch > 0
         self._log.warning(
             "supervisor_rebuilt",
@@ -418,8 +421,8 @@ class Supervisor:
 
     def _renewed(self) -> frozenset[int]:
         """Active slices whose registered agent is not the one they had when the view was published (a lost
-        member replaced before the view could drop it: below ``min_slices``, or faster than a judgement). A slice
-        whose agent was unknown then (after a restart) is adopted silently."""
+        member replaced before the view could drop it: below ``min_slices``, or faster than a judgement; after a
+        restart, against the agents the log names). A slice whose agent is unknown is adopted silently."""
         renewed = set()
         for s in self._view.active:
             now = self._incarnations.get(s)

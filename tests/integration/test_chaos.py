@@ -171,11 +171,19 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
 @pytest.mark.timeout(400)
 def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(elastic_chaos, ray_local):
     """The pytest plugin on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
-    the group re-forms without the first (a survivor lost during the re-formation is one more loss)."""
+    the group re-forms without the first (a survivor lost during the re-formation is one more loss); the supervisor
+    killed by the driver and restarted by Ray, then a worker SIGKILLed (the restarted supervisor sees it)."""
     result = elastic_chaos(
-        target="elastic.demos.chaos:process_target", seed=7, schedules=1, steps=20, scenarios=["kill_while_forming"]
+        target="elastic.demos.chaos:process_target",
+        seed=7,
+        schedules=2,
+        steps=20,
+        scenarios=["kill_while_forming", "supervisor_restart"],
     )
     assert result.ok, result.violations
-    (run,) = result.results
-    assert [f.phase for f in run.schedule.faults] == ["step", "forming"] and run.injected == 2, run.schedule
-    assert run.record.outcome == "finished" and run.record.restores, run.record
+    runs = {r.schedule.scenario: r for r in result.results}
+    forming, restart = runs["kill_while_forming"], runs["supervisor_restart"]
+    assert [f.phase for f in forming.schedule.faults] == ["step", "forming"] and forming.injected == 2, forming
+    assert forming.record.outcome == "finished" and forming.record.restores, forming.record
+    assert [f.kind for f in restart.schedule.faults] == ["supervisor_restart", "kill"] and restart.injected == 2
+    assert restart.record.outcome == "finished" and restart.record.restores and restart.recovered, restart.record

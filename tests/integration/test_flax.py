@@ -112,11 +112,11 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
             "--json",
             "--verify",
             "--steps",
-            "24",
+            "16",
             "--kill-at",
-            "7",
+            "5",
             "--revive-at",
-            "14",
+            "10",
         ],
         capture_output=True,
         text=True,
@@ -128,4 +128,4 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
     assert out["mode"] == "multi-process" and out["max_abs_param_diff_vs_reference"] == 0.0
     assert out["recoveries"] == 1 and out["grows"] == 1 and out["slice_moves"] == 2
     assert out["restores"][0]["tier"] == "memory" and out["worker_processes_restarted"] == 0
-    assert out["steps_committed"] == 24 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
+    assert out["steps_committed"] == 16 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
