@@ -15,6 +15,11 @@ devices, each batch split over the 8 devices: the same mesh, shardings, batches 
   (mean step time over the plain loop's) and ``save_return_seconds_median``, ``orbax_save_return_seconds_median``
   (how long a ``save`` call held the loop).
 
+``host_syncs_per_step`` (at ``snapshot_every=10``: the library's own waits for a step not yet computed, per step)
+and ``library_seconds_per_step`` (at ``snapshot_every=10``: the median time the loop's thread spends inside
+``run.steps``, ``shard_batch`` and ``commit`` per step, less the batch transfer the plain loop makes too; a commit
+that waits for the step before it counts that wait).
+
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's; ``start_seconds`` (entering the job to its
 first step committed, minus the plain loop's first step, Ray already up) and ``close_seconds`` (leaving the job).
@@ -85,9 +90,14 @@ def plain(width: int, steps: int) -> dict[str, float]:
     state = jax.jit(init, out_shardings=NamedSharding(mesh, PartitionSpec()))(jax.random.key(0))
     fn = jax.jit(step, donate_argnums=0)
     times = []
+    transfers = []
     t0 = time.perf_counter()
     for k in range(steps):
-        state, loss = fn(state, jax.device_put(batch(k, width), rows))
+        host = batch(k, width)
+        t = time.perf_counter()
+        x = jax.device_put(host, rows)
+        transfers.append(time.perf_counter() - t)
+        state, loss = fn(state, x)
         if k == 1:  # compiled and warm: time the rest as one pipelined stretch
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t0)
@@ -99,6 +109,7 @@ def plain(width: int, steps: int) -> dict[str, float]:
     return {
         "step_seconds": (time.perf_counter() - t1) / (steps - 2),
         "first_step_seconds": first,
+        "transfer_seconds": statistics.median(transfers[2:]),
         "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state)),
     }
 
@@ -142,17 +153,38 @@ def saving_loop(width: int, steps: int, which: str) -> dict[str, float]:
 
 
 def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str, float]:
+    import elastic.api.run as run_module
     from elastic import ElasticConfig, ElasticJob, Policy
 
     init, step = make(width)
     stamps: dict[int, float] = {}
+    inside: dict[int, float] = {}  # per step: seconds the loop's thread spent in run.steps, shard_batch and commit
+    syncs = {"count": 0}
+    waits = run_module.wait_ready
+
+    def counted(tree, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the library's own host syncs
+        if not all(x.is_ready() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)):
+            syncs["count"] += 1  # it waits: a host sync
+        return waits(tree, *args, **kwargs)
 
     def loop(run):  # noqa: ANN001, ANN202
         state = run.state
         fn = run.jit(step, donate_argnums=0)
-        for k in run.steps:
-            state, loss = fn(state, run.shard_batch(batch(k, width)))
+        steps = iter(run.steps)
+        while True:
+            t = time.perf_counter()
+            k = next(steps, None)
+            spent = time.perf_counter() - t
+            if k is None:
+                break
+            host = batch(k, width)
+            t = time.perf_counter()
+            x = run.shard_batch(host)
+            spent += time.perf_counter() - t
+            state, loss = fn(state, x)
+            t = time.perf_counter()
             run.commit(state)
+            inside[k] = spent + time.perf_counter() - t
             stamps[k] = time.perf_counter()
         return state
 
@@ -168,7 +200,11 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     t0 = time.perf_counter()
     job = ElasticJob(config, init_fn=init)
     job.__enter__()
-    result = job.run(loop)
+    run_module.wait_ready = counted
+    try:
+        result = job.run(loop)
+    finally:
+        run_module.wait_ready = waits
     t_closing = time.perf_counter()
     job.__exit__(None, None, None)
     close = time.perf_counter() - t_closing
@@ -179,6 +215,8 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         "first_commit_seconds": stamps[0] - t0,
         "close_seconds": close,
         "blocking_seconds": result.report.snapshot_blocking_seconds,
+        "host_syncs_per_step": syncs["count"] / steps,
+        "inside_seconds_per_step": statistics.median(inside[k] for k in range(2, steps)),
     }
 
 
@@ -217,6 +255,9 @@ def main() -> int:
     out["start_seconds"] = round(runs["every10"]["first_commit_seconds"] - base["first_step_seconds"], 2)
     out["close_seconds"] = round(runs["every10"]["close_seconds"], 2)
     out["snapshot_blocking_seconds_every1"] = runs["every1"]["blocking_seconds"]
+    out["host_syncs_per_step"] = round(runs["every10"]["host_syncs_per_step"], 3)
+    transfer = statistics.mean([base["transfer_seconds"], again["transfer_seconds"]])
+    out["library_seconds_per_step"] = round(runs["every10"]["inside_seconds_per_step"] - transfer, 4)
     out["snapshotter_ratio_every1"] = round(saving["ours"]["step_seconds"] / plain_step, 3)
     out["orbax_ratio_every1"] = round(saving["orbax"]["step_seconds"] / plain_step, 3)
     out["save_return_seconds_median"] = round(saving["ours"]["save_return_median"], 4)
