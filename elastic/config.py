@@ -138,8 +138,8 @@ class ElasticConfig:
     surfaces at the next commit or step boundary at the latest. None (the default): 2 in single-process mode,
     1 in multi-process mode, where a step dispatched ahead lets a survivor start the next step's collective
     while a peer is still in this step's, broken by a dead process: gloo then aborts that peer (the bytes of one
-    collective reach the pending receive of another), and one kill costs two processes (measured: 5 of 5 demo
-    runs at 2, 0 of 7 at 1). :attr:`in_flight` is the value in force.
+    collective reach the pending receive of another), and one kill costs two processes (measured: 7 of 7 demo
+    runs at 2, 0 of 17 at 1). :attr:`in_flight` is the value in force.
 
     ``processes``: run each slice as a worker process (:class:`Processes`); None (the default): one process
     drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices.
