@@ -4,10 +4,12 @@ The thread long-polls ``Supervisor.wait_for_epoch`` (the supervisor answers when
 or after ``poll_s``), so the training loop reads the latest view without any remote call, and
 ``wait_for`` blocks on a condition variable with a bound.
 
-A supervisor that Ray restarts answers again within seconds (calls wait for it meanwhile). One that has not
-answered for ``lost_after_s`` is gone for good: from then on ``view`` and ``wait_for`` raise
-:class:`~elastic.errors.SupervisorLostError` (a waiter already blocked wakes at once), so the job ends with a
-clear error instead of waiting out ``recovery_timeout_s``, or training on unsupervised.
+A supervisor that Ray restarts answers again within seconds (calls wait for it meanwhile; a call that gets no
+answer within ``poll_s`` and a grace is given up and asked again, since one in flight when the actor died may
+never be answered). One that has not answered any call for ``lost_after_s`` is gone for good: from then on
+``view`` and ``wait_for`` raise :class:`~elastic.errors.SupervisorLostError` (a waiter already blocked wakes at
+once), so the job ends with a clear error instead of waiting out ``recovery_timeout_s``, or training on
+unsupervised.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class ViewWatcher:
         self._job = job
         self._poll_s = poll_s
         self._lost_after_s = lost_after_s
+        # One call may be lost across a supervisor restart (it was in flight when the actor died): it is given up
+        # after this grace and a fresh one asked, so only lost_after_s of silence from every call counts as lost.
+        self._call_grace_s = min(lost_after_s / 2, 5.0)
         self._lost: str | None = None  # why the supervisor counts as gone for good
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -73,7 +78,7 @@ class ViewWatcher:
         while not self._stop.is_set():
             try:
                 ref = self._supervisor.wait_for_epoch.remote(self._view.epoch, self._poll_s)
-                view = ray.get(ref, timeout=self._poll_s + self._lost_after_s)
+                view = ray.get(ref, timeout=self._poll_s + self._call_grace_s)
             except Exception as err:  # noqa: BLE001 - a restarting supervisor; retry with a bound pause
                 silent = time.monotonic() - contact
                 if silent > self._lost_after_s:

@@ -4,6 +4,7 @@ no file behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -187,6 +188,34 @@ def test_a_watcher_reports_a_supervisor_gone_for_good(supervised):
             _ = watcher.view
     finally:
         watcher.stop()
+
+
+@ray.remote(num_cpus=0)
+class _LosesFirstCall:
+    """A supervisor stand-in whose first ``wait_for_epoch`` is never answered (a call in flight when a supervisor
+    died and Ray restarted it) and whose later ones answer with view 1."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def wait_for_epoch(self, epoch: int, timeout_s: float) -> View:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.sleep(3600)
+        return View(epoch=1, active=ALL4)
+
+
+def test_a_watcher_asks_again_when_one_call_is_lost(ray_local):
+    """One unanswered call is not a lost supervisor: the watcher asks again and sees the next view, well within
+    lost_after_s (it used to wait lost_after_s on that one call and then count the supervisor gone)."""
+    stand_in = _LosesFirstCall.remote()
+    watcher = ViewWatcher(stand_in, View(), job="t", poll_s=0.2, lost_after_s=3.0)
+    try:
+        assert watcher.wait_for(lambda v: v.epoch >= 1, 2.5, what="the view after a lost call").active == ALL4
+        assert watcher.supervisor_lost is None
+    finally:
+        watcher.stop()
+        ray.kill(stand_in)
 
 
 def test_a_job_whose_supervisor_is_gone_for_good_ends_with_a_supervisor_error(ray_local):
