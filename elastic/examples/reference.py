@@ -11,8 +11,9 @@ In multi-process mode the steps ran in worker processes whose collectives (gloo)
 process's devices do, and a float that differs in its last bit can grow (adam normalises a near-zero gradient
 to a step of the learning rate's size). So the reference replays the same schedule in the same kind of
 processes: for each stretch of steps on one set of slices, that many plain processes (Ray actors set up like the
-workers) join a ``jax.distributed`` group, receive the state from this process, run the example's step, and hand
-the state back; nothing of ``elastic`` runs in them but the helper that joins the group.
+workers, kept from one stretch to the next) join a new ``jax.distributed`` group, receive the state from this
+process, run the example's step, and hand the state back; nothing of ``elastic`` runs in them but the helper that
+joins the group.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ def _host(x: Any, multihost_utils: Any) -> Any:
 
 
 def run_reference_processes(job: ElasticJob, placements: Placements, step_fn: Callable[[Any, int, Mesh], Any]) -> Any:
-    """:func:`run_reference` for a multi-process job: each stretch of steps on one slice set runs in that many fresh
-    plain processes joined by ``jax.distributed``; the final state on the host (typed keys wrapped back)."""
+    """:func:`run_reference` for a multi-process job: each stretch of steps on one slice set runs in that many plain
+    processes joined by ``jax.distributed`` (a new group per stretch, in processes kept across stretches); the final
+    state on the host (typed keys wrapped back)."""
     import ray
 
     from elastic.control.cluster import connect
@@ -166,32 +168,36 @@ def run_reference_processes(job: ElasticJob, placements: Placements, step_fn: Ca
         ),
         init,
     )
-    for slices, stretch in stretches:
-        service = distributed.CoordinationService(len(slices), host=ray.util.get_node_ip_address())
-        actors = [remote.remote(env) for _ in slices]
-        try:
-            outs = ray.get(
-                [
-                    a.run.remote(
-                        service.address,
-                        len(slices),
-                        i,
-                        host,
-                        abstract,
-                        job._shardings_fn,  # noqa: SLF001
-                        job._mesh_fn,
-                        stretch,
-                        step_fn,
-                    )
-                    for i, a in enumerate(actors)
-                ],  # noqa: SLF001
-                timeout=600,
-            )
-        finally:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            service.stop()
-        host = outs[0]
+    # One process per slice position, kept across stretches: each stretch's group is re-formed in them (as the
+    # workers re-form in place), so a stretch costs a group, not a process start and jax import per slice.
+    pool = [remote.remote(env) for _ in range(max(len(slices) for slices, _ in stretches))]
+    try:
+        for slices, stretch in stretches:
+            service = distributed.CoordinationService(len(slices), host=ray.util.get_node_ip_address())
+            try:
+                outs = ray.get(
+                    [
+                        a.run.remote(
+                            service.address,
+                            len(slices),
+                            i,
+                            host,
+                            abstract,
+                            job._shardings_fn,  # noqa: SLF001
+                            job._mesh_fn,  # noqa: SLF001
+                            stretch,
+                            step_fn,
+                        )
+                        for i, a in enumerate(pool[: len(slices)])
+                    ],
+                    timeout=600,
+                )
+            finally:
+                service.stop()
+            host = outs[0]
+    finally:
+        for actor in pool:
+            ray.kill(actor, no_restart=True)
     return jax.tree_util.tree_map(
         lambda x: jax.random.wrap_key_data(x.data, impl=x.impl) if isinstance(x, _Key) else x,
         host,
