@@ -11,14 +11,6 @@ if "ELASTIC_HOME" not in os.environ:  # job tokens and run records of the tests 
     import tempfile
 
     os.environ["ELASTIC_HOME"] = tempfile.mkdtemp(prefix="elastic-home-")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    # One persistent compilation cache for the whole run (set here, in the process that starts the xdist workers,
-    # so they, the processes tests start and the jobs' workers all share it): most tests compile the same few
-    # steps on the same meshes, and a compile found in the cache costs a read instead of CPU seconds.
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="elastic-test-jax-cache-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
