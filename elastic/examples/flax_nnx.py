@@ -200,7 +200,9 @@ def run_example(
         policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
         processes=processes,
     )
-    faults = elastic.Faults().kill_slice(1, at_step=kill_at).revive_slice(1, at_step=revive_at)
+    faults = elastic.Faults().kill_slice(1, at_step=kill_at)
+    if revive_at < steps:  # at or past the end: the job finishes on the survivors
+        faults = faults.revive_slice(1, at_step=revive_at)
     adapter, placements = make_adapter(), Placements()
     job = elastic.ElasticJob(
         config, init_fn=adapter.init_fn, shardings_fn=adapter.shardings_fn, faults=faults, on_step=placements
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="also train with plain NNX and compare")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=13)
-    parser.add_argument("--revive-at", type=int, default=27)
+    parser.add_argument("--revive-at", type=int, default=27, help="step to revive slice 1 at (>= --steps: never)")
     parser.add_argument(
         "--mode",
         choices=("single-process", "multi-process"),

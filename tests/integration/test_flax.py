@@ -100,8 +100,9 @@ def test_example_runs_and_verifies(module):
 
 @pytest.mark.timeout(240)
 def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
-    """The same example with a worker process per slice (slice 1's process SIGKILLed, a new one joining): every leaf
-    equals, bit for bit, plain NNX replayed in plain processes over the same slices at the same steps."""
+    """The same example with a worker process per slice (slice 1's process SIGKILLed, the survivors re-forming in
+    place): every leaf equals, bit for bit, plain NNX replayed in plain processes over the same slices at the same
+    steps. (A new process joining is the demo's and test_processes.py's; here it would double the test's time.)"""
     proc = subprocess.run(
         [
             sys.executable,
@@ -112,11 +113,11 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
             "--json",
             "--verify",
             "--steps",
-            "16",
+            "12",
             "--kill-at",
             "5",
             "--revive-at",
-            "10",
+            "12",
         ],
         capture_output=True,
         text=True,
@@ -126,6 +127,6 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["mode"] == "multi-process" and out["max_abs_param_diff_vs_reference"] == 0.0
-    assert out["recoveries"] == 1 and out["grows"] == 1 and out["slice_moves"] == 2
+    assert out["recoveries"] == 1 and out["grows"] == 0 and out["slice_moves"] == 1
     assert out["restores"][0]["tier"] == "memory" and out["worker_processes_restarted"] == 0
-    assert out["steps_committed"] == 16 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
+    assert out["steps_committed"] == 12 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
