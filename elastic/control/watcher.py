@@ -36,6 +36,8 @@ def supervisor_lost_after_s(config: ElasticConfig) -> float:
     return max(5 * config.heartbeat_timeout_s, 20.0)
 
 
+_SLICE_S = 0.1  # how often a waiting call looks at the stop flag (stop returns within this)
+
 LOST_AFTER_S = supervisor_lost_after_s(ElasticConfig())  # for the default configuration: 20 s
 
 
@@ -79,8 +81,12 @@ class ViewWatcher:
         while not self._stop.is_set():
             try:
                 ref = self._supervisor.wait_for_epoch.remote(self._view.epoch, self._poll_s)
-                view = ray.get(ref, timeout=self._poll_s + self._call_grace_s)
+                view = self._answer(ref)
+                if view is None:  # stopped while waiting
+                    return
             except Exception as err:  # noqa: BLE001 - a restarting supervisor; retry with a bound pause
+                if self._stop.is_set():
+                    return
                 silent = time.monotonic() - contact
                 if silent > self._lost_after_s:
                     self._give_up(err, silent)
@@ -98,6 +104,22 @@ class ViewWatcher:
                 with self._cond:
                     self._view = view
                     self._cond.notify_all()
+
+    def _answer(self, ref: Any) -> View | None:
+        """The call's answer, waited for in short slices so that ``stop`` returns at once (None once stopped);
+        raises ``GetTimeoutError`` past ``poll_s`` and the grace."""
+        deadline = time.monotonic() + self._poll_s + self._call_grace_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ray.exceptions.GetTimeoutError(
+                    f"no answer to wait_for_epoch within {self._poll_s + self._call_grace_s:.1f}s"
+                )
+            ready, _ = ray.wait([ref], timeout=min(_SLICE_S, left))
+            if ready:
+                view: View = ray.get(ready[0])
+                return view
+        return None
 
     def _give_up(self, err: Exception, silent: float) -> None:
         reason = (
@@ -132,4 +154,4 @@ class ViewWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self._poll_s + 5)
+        self._thread.join(timeout=5)
