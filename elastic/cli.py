@@ -86,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
         revive_at=args.revive_at,
         snapshot_every=args.snapshot_every,
     )
-    connect()
+    started_here = connect()
     if multi:
         from elastic.demos.processes import ProcessDemoSpec, run_process_demo
 
@@ -111,6 +111,7 @@ def _demo(args: argparse.Namespace) -> int:
         out = run_client_crash(spec, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
     else:
         out = run_demo(spec, verify=args.verify, progress=not args.no_progress)
+    out["joined_existing_cluster"] = not started_here  # RAY_ADDRESS named a cluster (a `ray job submit` job)
     if args.verbose:
         print_timeline(out["timeline"], sys.stderr)
     if args.json:

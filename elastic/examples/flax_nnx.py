@@ -183,14 +183,20 @@ def chaos_target() -> dict[str, Any]:
 
 
 def run_example(
-    *, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False, mode: str = "single-process"
+    *,
+    steps: int = 40,
+    kill_at: int = 13,
+    revive_at: int = 27,
+    verify: bool = False,
+    mode: str = "single-process",
+    slices: int = 4,
 ) -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary. ``mode``:
     ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies)."""
     processes = elastic.Processes() if mode == "multi-process" else None
     config = elastic.ElasticConfig(
         job_name="flax-nnx",
-        num_slices=4,
+        num_slices=slices,
         devices_per_slice=2,
         num_steps=steps,
         snapshot_every=5,
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=13)
     parser.add_argument("--revive-at", type=int, default=27, help="step to revive slice 1 at (>= --steps: never)")
+    parser.add_argument("--slices", type=int, default=4, help="slices of 2 devices each (at least 3: slice 1 dies)")
     parser.add_argument(
         "--mode",
         choices=("single-process", "multi-process"),
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         help="multi-process: each slice a worker process (jax.distributed); the reference runs here",
     )
     args = parser.parse_args(argv)
+    if args.slices < 3:
+        parser.error(f"--slices must be at least 3 (slice 1 is killed and at least 2 must stay), got {args.slices}")
     sys.stdout.flush()
     result = os.fdopen(os.dup(1), "w")  # stdout holds the result only: anything else on fd 1 goes to stderr
     os.dup2(2, 1)
@@ -249,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(logging.ERROR)
     out = run_example(
-        steps=args.steps, kill_at=args.kill_at, revive_at=args.revive_at, verify=args.verify, mode=args.mode
+        steps=args.steps,
+        kill_at=args.kill_at,
+        revive_at=args.revive_at,
+        verify=args.verify,
+        mode=args.mode,
+        slices=args.slices,
     )
     if args.json:
         print(json.dumps(out), file=result, flush=True)

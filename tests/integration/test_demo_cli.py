@@ -44,6 +44,7 @@ def test_demo_json_verify():
     assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
     out = json.loads(lines[0])
     assert KEYS <= out.keys()
+    assert out["joined_existing_cluster"] is False  # no RAY_ADDRESS: an embedded cluster of its own
     assert out["slices_initial"] == out["slices_final"] == 4 and out["min_slices_seen"] == 3
     assert out["failures_injected"] == 1 and out["recoveries"] == 1 and len(out["recovery_seconds"]) == 1
     assert out["client_restarts"] == 0 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0

@@ -100,9 +100,10 @@ def test_example_runs_and_verifies(module):
 
 @pytest.mark.timeout(240)
 def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
-    """The same example with a worker process per slice (slice 1's process SIGKILLed, the survivors re-forming in
-    place): every leaf equals, bit for bit, plain NNX replayed in plain processes over the same slices at the same
-    steps. (A new process joining is the demo's and test_processes.py's; here it would double the test's time.)"""
+    """The same example with a worker process per slice (3 slices; slice 1's process SIGKILLed, the survivors
+    re-forming in place): every leaf equals, bit for bit, plain NNX replayed in plain processes over the same slices
+    at the same steps. (A new process joining is the demo's and test_processes.py's; here it would double the test's
+    time.)"""
     proc = subprocess.run(
         [
             sys.executable,
@@ -118,6 +119,8 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
             "5",
             "--revive-at",
             "12",
+            "--slices",
+            "3",
         ],
         capture_output=True,
         text=True,

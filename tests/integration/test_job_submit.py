@@ -288,32 +288,11 @@ def _submit(head: RayHead, module: str, *args: str) -> tuple[subprocess.Complete
 
 
 @pytest.mark.timeout(240)
-def test_ray_job_submit_trains_on_the_cluster(ray_head: RayHead):
-    out, output = _submit(ray_head, "elastic.examples.train", "--steps", "12", "--json")
-
-    reports = [r for r in _json_lines(out.stdout) if "steps_committed" in r]
-    assert reports, f"no JSON report with steps_committed in the job's output:\n{output}"
-    report = reports[-1]
-    assert report["steps_committed"] == 12, report
-    assert report["client_restarts"] == 0, report
-    if "joined_existing_cluster" in report:  # the entry point joined this cluster (RAY_ADDRESS), not its own
-        assert report["joined_existing_cluster"] is True, report
-
-    # The upload really left the git-ignored bulk behind (the job ran from this unpacked copy).
-    packages = [
-        p for p in ray_head.temp_dir.glob("ray/session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()
-    ]
-    assert packages, "no unpacked working_dir package on the head"
-    for pkg in packages:
-        assert (pkg / "elastic").is_dir(), sorted(os.listdir(pkg))
-        for ignored in (".venv", ".git", ".pytest_cache"):
-            assert not (pkg / ignored).exists(), f"{ignored} was uploaded: {sorted(os.listdir(pkg))}"
-
-
-@pytest.mark.timeout(240)
 def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
-    """The multi-controller demo as a job: its driver hosts the coordination services, its workers are actors of
-    the job; one of three is SIGKILLed and the others re-form in place."""
+    """The multi-controller demo as a job: its driver joins this cluster (RAY_ADDRESS) and hosts the coordination
+    services, its workers are actors of the job; one of three is SIGKILLed and the others re-form in place. The
+    job ran from the uploaded working_dir, which left the git-ignored bulk behind. (One submission covers both
+    modes' path: a single-process job joins the cluster the same way, through `connect`.)"""
     out, output = _submit(
         ray_head,
         "elastic.cli",
@@ -337,6 +316,16 @@ def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
     assert report["failures_injected"] == 1 and report["recoveries"] == 1, report
     assert report["worker_processes_restarted"] == 0 and report["client_restarts"] == 0, report
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
+    assert report["joined_existing_cluster"] is True, report  # this cluster (RAY_ADDRESS), not one of its own
+
+    packages = [
+        p for p in ray_head.temp_dir.glob("ray/session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()
+    ]
+    assert packages, "no unpacked working_dir package on the head"
+    for pkg in packages:
+        assert (pkg / "elastic").is_dir(), sorted(os.listdir(pkg))
+        for ignored in (".venv", ".git", ".pytest_cache"):
+            assert not (pkg / ignored).exists(), f"{ignored} was uploaded: {sorted(os.listdir(pkg))}"
 
 
 @pytest.mark.timeout(60)

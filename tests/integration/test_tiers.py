@@ -62,23 +62,6 @@ def assert_exactly_once(result, n: int = 40) -> None:
     assert r.steps_committed == n and r.duplicate_steps == 0 and r.skipped_steps == 0
 
 
-def test_a_sigkilled_client_is_resumed_from_the_keepers(ray_local, tmp_path):
-    name = "tier-keeper-resume"
-    crash_a_client(name, 23, "Tiers(keeper_every=1)")
-    # The crashed client's detached keepers still hold its snapshot; nothing was written to disk.
-    job, loop = ledger_job(name, tiers=Tiers(keeper_every=1))
-    with job:
-        result = job.run(loop)
-    assert_exactly_once(result)
-    r = result.report
-    assert r.resumed_from_tier == "keeper" and r.client_restarts == 1
-    # The newest snapshot whose keeper push had landed before the SIGKILL (pushes are asynchronous).
-    assert r.restores[0]["tier"] == "keeper" and r.restores[0]["step"] in (5, 10, 15, 20)
-    assert not any(e["event"] == "restored" and e.get("tier") == "persistent" for e in r.timeline)
-    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == f"elastic-{name}"}
-    assert not names, f"a clean end leaves no actor of the job: {names}"
-
-
 def test_a_stopped_job_resumes_from_orbax_on_fewer_slices(ray_local, tmp_path):
     name = "tier-orbax-resume"
     tiers = f"Tiers(keeper_every=0, persistent_dir={str(tmp_path)!r}, persistent_every=10)"
