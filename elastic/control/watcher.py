@@ -135,7 +135,7 @@ class ViewWatcher:
         )
         reason = (
             f"the supervisor of job {self._job!r} is gone: {why} (last error: {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); without it no failure can be detected or recovered, "
+            f"{(str(err).splitlines() or [''])[0]}); without it no failure can be detected or recovered, "
             "so the job ends here"
         )
         self._log.error("supervisor_lost", silent_s=round(silent, 1), error=repr(err), epoch=self._view.epoch)
