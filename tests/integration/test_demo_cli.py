@@ -1,8 +1,10 @@
-"""`elastic demo --json --verify`: the whole story end to end, through the console script."""
+"""`elastic demo --json --verify`: the whole story end to end, through the console script, and what the operator
+CLI (`elastic report`, `events`, `status`) says about the run afterwards."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +31,28 @@ KEYS = {
 }
 
 
-@pytest.mark.timeout(300)
-def test_demo_json_verify():
-    elastic = Path(sys.executable).parent / "elastic"
+ELASTIC = Path(sys.executable).parent / "elastic"
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [str(elastic), "demo", "--json", "--verify", "--steps", "60", "--kill-at", "23", "--revive-at", "40"],
+        [str(ELASTIC), *args], capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.timeout(300)
+def test_demo_json_verify(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTIC_RECORD_DIR")}
+    env["ELASTIC_HOME"] = str(tmp_path / "home")  # the run's records, for the operator CLI below
+    proc = subprocess.run(
+        [str(ELASTIC), "demo", "--json", "--verify", "--steps", "60", "--kill-at", "23", "--revive-at", "40"],
         capture_output=True,
         text=True,
         timeout=240,
         stdin=subprocess.DEVNULL,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -56,13 +71,33 @@ def test_demo_json_verify():
     for expected in ("inject_kill", "failure", "detected", "restored", "first_step", "inject_revive", "grow"):
         assert expected in events, events
 
+    # After the demo (the same run, as an operator sees it): report draws it and events tell why.
+    out = json.loads(cli("report", "--json", "--out", str(tmp_path / "t.png"), env=env).stdout)
+    assert out["job"] == "demo" and out["recoveries"] == 1 and out["steps_committed"] == 60
+    png = (tmp_path / "t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000 and out["picture"] == str(tmp_path / "t.png")
+    records = [json.loads(line) for line in cli("events", "--json", env=env).stdout.splitlines()]
+    failure = [r for r in records if r["kind"] == "timeline" and r["event"] == "failure"]
+    decisions = [r for r in records if r["kind"] == "view"]
+    recovered = [r for r in records if r["kind"] == "timeline" and r["event"] == "first_step"]
+    assert len(failure) == 1 and "lost" in failure[0]["error"], failure
+    assert [d["decision"] for d in decisions] == ["Grow", "Shrink", "Grow"], decisions
+    assert "lost slice(s) 1" in decisions[1]["reason"] and "back" in decisions[2]["reason"], decisions
+    assert len(recovered) == 1 and recovered[0]["wall"] > decisions[1]["wall"] > failure[0]["wall"] - 5
+    lost = [r for r in records if r["kind"] == "health" and not r["healthy"]]
+    assert lost and lost[0]["slice"] == 1 and "agent died" in lost[0]["cause"], lost
+    status = json.loads(cli("status", "--json", env=env).stdout)
+    assert status["state"] == "finished" and status["slices"] == [0, 1, 2, 3] and status["step"] == 59
+    assert status["recoveries"] == 1 and status["epoch"] == 3
+    text = cli("events", env=env).stdout  # the human form names the decision and its reason
+    assert "(Shrink): lost slice(s) 1" in text
+
 
 @pytest.mark.timeout(400)
 def test_demo_client_crash_resumes_from_the_keepers():
-    elastic = Path(sys.executable).parent / "elastic"
     proc = subprocess.run(
         [
-            str(elastic),
+            str(ELASTIC),
             "demo",
             "--scenario",
             "client-crash",
@@ -96,10 +131,9 @@ def test_demo_client_crash_resumes_from_the_keepers():
 def test_a_sigkilled_multi_process_driver_is_resumed_from_the_keepers():
     """The multi-process job's driver is SIGKILLed (its workers die with it); the job submitted again under its name
     takes over the detached supervisor and keepers and resumes there: not from step 0, not from disk."""
-    elastic = Path(sys.executable).parent / "elastic"
     proc = subprocess.run(
         [
-            str(elastic),
+            str(ELASTIC),
             "demo",
             "--scenario",
             "multi-process-driver-crash",
