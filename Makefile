@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: lint docs
 	$(BIN)/python ../shared/tools/check_layers.py . || test ! -f ../shared/tools/check_layers.py
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # two workers, whole files each, longest first (tests/conftest.py): most tests wait on Ray, not the CPU
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # two workers, whole files each, longest first (tests/conftest.py); three saturate 2 cores and run slower
 
 lint: $(STAMP)  # ruff's lint rules and mypy, as configured in pyproject.toml
 	$(BIN)/ruff check .
