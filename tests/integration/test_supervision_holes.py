@@ -230,6 +230,9 @@ class _FallsSilent:
     def __init__(self) -> None:
         self.calls = 0
 
+    def ping(self) -> bool:
+        return True
+
     async def wait_for_epoch(self, epoch: int, timeout_s: float) -> View:
         self.calls += 1
         if self.calls > 1:
@@ -241,6 +244,7 @@ def test_a_watcher_counts_a_silent_supervisor_lost_after_its_bound(ray_local):
     """An alive supervisor that answers nothing (stuck, or restarting for too long) is lost after lost_after_s of
     silence, not before (a restart looks like silence) and not never."""
     stand_in = _FallsSilent.remote()
+    assert ray.get(stand_in.ping.remote(), timeout=60)  # created: its start on a loaded machine is not the test's
     watcher = ViewWatcher(stand_in, View(), job="t", poll_s=0.2, lost_after_s=3.0)
     try:
         assert watcher.wait_for(lambda v: v.epoch >= 1, 30, what="the first view").active == ALL4
