@@ -29,6 +29,7 @@ from .helpers import config, ledger_job
 pytestmark = pytest.mark.integration
 
 INTERVAL_S, TIMEOUT_S = 0.1, 1.0
+RESTART_BOUND_S = 60.0  # for Ray to restart a killed supervisor (a new process) on a loaded machine
 ALL4 = frozenset(range(4))
 
 
@@ -152,7 +153,9 @@ def test_a_restarted_supervisor_keeps_the_failure_history(supervised):
     assert knows(sup, 1, 2)  # healthy, registered, and held out
 
     ray.kill(sup, no_restart=False)  # Ray restarts it; it rebuilds its state from the event log
-    until(lambda: knows(sup, 1, 2), 6 * TIMEOUT_S, "re-registration of slice 1's agent after the restart")
+    # What is checked is the state the restarted supervisor keeps, not how soon Ray restarts it: on loaded cores a
+    # restart has taken over 20 s (a new process behind others' starts), so the bound is generous.
+    until(lambda: knows(sup, 1, 2), RESTART_BOUND_S, "re-registration of slice 1's agent after the restart")
     after = next_view(sup, view.epoch, 3 * TIMEOUT_S)
     assert after.epoch == view.epoch and after.active == ALL4 - {1}, after
 
@@ -164,7 +167,7 @@ def test_a_restarted_supervisor_still_refuses_the_agent_of_a_slice_the_client_sa
     view = ray.get(sup.report_lost.remote([2], "test: its devices failed"), timeout=30)
     assert view.active == ALL4 - {2}, view
     ray.kill(sup, no_restart=False)
-    until(lambda: knows(sup, 0, 0), 6 * TIMEOUT_S, "re-registration of the agents after the restart")
+    until(lambda: knows(sup, 0, 0), RESTART_BOUND_S, "re-registration of the agents after the restart")
     after = next_view(sup, view.epoch, 3 * TIMEOUT_S)
     assert after.epoch == view.epoch and after.active == ALL4 - {2}, after
     assert not knows(sup, 2, 0)
