@@ -43,6 +43,9 @@ class Engine(Protocol):
     def stage(self, shard: jax.Array, dest: Any) -> Any:
         """On the training thread: cheap, and safe against the state's later donation."""
 
+    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
+        """``stage`` for every copy of one piece (``shards[k]`` is what copy ``k`` reads); never waits for compute."""
+
     def write(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         """On the background thread: the finished copy in ``dest``'s host memory."""
 
@@ -62,17 +65,31 @@ class HostEngine:
     def stage(self, shard: jax.Array, dest: Any) -> np.ndarray:
         return np.asarray(shard)  # zero-copy on CPU; blocks until the shard is computed
 
-    def write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
+    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
+        """Computed shards: zero-copy views. A shard still being computed: one transfer into its own device's
+        pinned host memory, dispatched behind the computation (the runtime orders it before any later donation),
+        which every copy of the piece reads once it has landed (on the copy thread)."""
+        if all(s.is_ready() for s in shards):
+            return [np.asarray(s) for s in shards]
+        first = shards[0]
+        landing = jax.device_put(first, SingleDeviceSharding(first.device, memory_kind="pinned_host"))
+        return [landing] * len(shards)
+
+    def write(self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         return self._write(staged, dest, slice_, buffer, None)
 
     def write_checksummed(
-        self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None
+        self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None
     ) -> tuple[Copy, int]:
         hasher = xxhash.xxh3_64()
         return self._write(staged, dest, slice_, buffer, hasher), hasher.intdigest()
 
-    def _write(self, staged: np.ndarray, dest: Any, slice_: int, buffer: np.ndarray | None, hasher: Any) -> Copy:
+    def _write(
+        self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None, hasher: Any
+    ) -> Copy:
         """Copy in cache-sized chunks, hashing each chunk while it is still in cache."""
+        if isinstance(staged, jax.Array):  # a landing transfer (``stage_piece``): wait for it here, off the loop
+            staged = np.asarray(staged)
         if buffer is None or buffer.shape != staged.shape or buffer.dtype != staged.dtype:
             buffer = aligned_empty(staged.shape, staged.dtype)
         src = staged.reshape(-1).view(np.uint8) if staged.size else staged.reshape(-1)
@@ -116,6 +133,9 @@ class DeviceEngine:
 
     def stage(self, shard: jax.Array, dest: Any) -> jax.Array:
         return jax.device_put(shard, SingleDeviceSharding(dest, memory_kind="pinned_host"))
+
+    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
+        return [self.stage(s, d) for s, d in zip(shards, dests, strict=True)]
 
     def write(self, staged: jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         staged.block_until_ready()

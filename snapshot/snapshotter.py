@@ -98,7 +98,8 @@ class Snapshotter:
     def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> int:
         """Request a snapshot of ``state`` (resuming at ``step``); returns its generation number.
 
-        Waits for ``state`` to be computed, stages its shards, and returns without waiting for the copy.
+        Waits for nothing: computed shards are staged as zero-copy views, a shard still being computed gets a
+        transfer dispatched behind its computation, and the copy thread completes the generation once they land.
         """
         t0 = time.perf_counter()
         leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -116,7 +117,12 @@ class Snapshotter:
                 values.append(copylib.deepcopy(x))
                 continue
             shards = x.addressable_shards
-            staged.append([[engine.stage(shards[c.shard].data, c.dest) for c in p.copies] for p in plan.pieces])
+            staged.append(
+                [
+                    engine.stage_piece([shards[c.shard].data for c in p.copies], [c.dest for c in p.copies])
+                    for p in plan.pieces
+                ]
+            )
             # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that
             # holds one of them restores its own shard of this state in place. (Holding every replica would
             # also keep the others from being donated: each step after a save would allocate them anew.)
@@ -129,6 +135,8 @@ class Snapshotter:
                 else []
             )
             values.append(None)
+        if any(not isinstance(v, np.ndarray) for leaf in sources for piece in leaf for _, v, _ in piece):
+            sources = []  # a shard was still being computed: its copy lands later, and a restore waits for it
         with self._cv:
             if self._closed:
                 raise SnapshotConfigError("the snapshotter is closed")

@@ -12,6 +12,7 @@ import threading
 from collections import defaultdict
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -577,6 +578,42 @@ def test_donating_the_state_right_after_save(make, engine):
     snap.wait()
     restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
     assert_same(restored.state, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_save_returns_before_the_state_is_computed_and_the_snapshot_survives_its_donation(make, engine):
+    """A pipelined loop saves a state whose step is still running: ``save`` returns at once, and the
+    generation holds that step's result although the next step donated it."""
+    release = threading.Event()
+
+    def held_back(x):  # the step cannot finish until the test says so
+        release.wait(20.0)  # a save that waits for this step returns after it, and fails below
+        return x
+
+    @jax.jit
+    def slow_step(s):
+        one = jax.experimental.io_callback(held_back, jax.ShapeDtypeStruct((), jnp.float32), jnp.float32(1.0))
+        return jax.tree.map(lambda x: x * 2.0 + one, s)  # exact doubling: one rounding, fused or not
+
+    snap = make(engine=engine)
+    rng = np.random.default_rng(1)
+    start = {
+        "w": jax.device_put(rng.normal(size=(384, 512)).astype(np.float32), NamedSharding(MESH8, SPECS["w"])),
+        "r": jax.device_put(rng.normal(size=(256, 256)).astype(np.float32), NamedSharding(MESH8, P())),
+    }
+    expected = {k: np.asarray(v) * np.float32(2.0) + np.float32(1.0) for k, v in start.items()}
+    state = slow_step(start)
+    snap.save(1, state)
+    returned_early = not release.is_set()
+    release.set()
+    state = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.0 - 7.0, s), donate_argnums=0)(state)
+    jax.block_until_ready(state)
+    snap.wait()
+    restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
+    assert returned_early, "save waited for the step it saves"
+    assert restored.step == 1
+    for k, want in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored.state[k]), want)
 
 
 # -- 8. rollback ----------------------------------------------------------------------------
