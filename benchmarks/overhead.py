@@ -235,8 +235,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    logging.disable(logging.WARNING)
+    logging.disable(logging.WARNING)  # Orbax's and Ray's loggers: warnings and errors still show
     from elastic.control.cluster import connect
+    from elastic.log import configure_logging
+
+    configure_logging(logging.WARNING)  # ours likewise: both sides' info lines stay off the loop's thread
 
     t = time.perf_counter()
     connect()

@@ -43,8 +43,9 @@ class Engine(Protocol):
     def stage(self, shard: jax.Array, dest: Any) -> Any:
         """On the training thread: cheap, and safe against the state's later donation."""
 
-    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
-        """``stage`` for every copy of one piece (``shards[k]`` is what copy ``k`` reads); never waits for compute."""
+    def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
+        """``stage`` for every copy of every piece (per piece, the shards its copies read and their destinations),
+        on the training thread; never waits for compute."""
 
     def write(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         """On the background thread: the finished copy in ``dest``'s host memory."""
@@ -65,15 +66,25 @@ class HostEngine:
     def stage(self, shard: jax.Array, dest: Any) -> np.ndarray:
         return np.asarray(shard)  # zero-copy on CPU; blocks until the shard is computed
 
-    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
-        """Computed shards: zero-copy views. A shard still being computed: one transfer into its own device's
-        pinned host memory, dispatched behind the computation (the runtime orders it before any later donation),
-        which every copy of the piece reads once it has landed (on the copy thread)."""
-        if all(s.is_ready() for s in shards):
-            return [np.asarray(s) for s in shards]
-        first = shards[0]
-        landing = jax.device_put(first, SingleDeviceSharding(first.device, memory_kind="pinned_host"))
-        return [landing] * len(shards)
+    def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
+        """A piece whose shards are computed: zero-copy views. One still being computed: a single transfer of its
+        first shard into that device's pinned host memory, dispatched behind the computation (the runtime orders
+        it before any later donation; all such transfers go in one batched call), which every copy of the piece
+        reads once it has landed (on the copy thread)."""
+        staged: list[list[Any]] = []
+        pending: list[int] = []
+        for shards, _ in pieces:
+            if all(s.is_ready() for s in shards):
+                staged.append([np.asarray(s) for s in shards])
+            else:
+                pending.append(len(staged))
+                staged.append([])
+        if pending:
+            firsts = [pieces[n][0][0] for n in pending]
+            landed = jax.device_put(firsts, [SingleDeviceSharding(x.device, memory_kind="pinned_host") for x in firsts])
+            for n, landing in zip(pending, landed, strict=True):
+                staged[n] = [landing] * len(pieces[n][0])
+        return staged
 
     def write(self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         return self._write(staged, dest, slice_, buffer, None)
@@ -134,8 +145,8 @@ class DeviceEngine:
     def stage(self, shard: jax.Array, dest: Any) -> jax.Array:
         return jax.device_put(shard, SingleDeviceSharding(dest, memory_kind="pinned_host"))
 
-    def stage_piece(self, shards: list[jax.Array], dests: list[Any]) -> list[Any]:
-        return [self.stage(s, d) for s, d in zip(shards, dests, strict=True)]
+    def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
+        return [[self.stage(s, d) for s, d in zip(shards, dests, strict=True)] for shards, dests in pieces]
 
     def write(self, staged: jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         staged.block_until_ready()

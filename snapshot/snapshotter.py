@@ -107,36 +107,40 @@ class Snapshotter:
         arrays = [jax.random.key_data(x) if k else x for x, k in zip(leaves, key_impls, strict=True)]
         plans = self._plan(arrays)
         engine = self._engine_for(arrays)
-        staged: list[list[list[Any]]] = []
-        sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]] = []
+        reads: list[list[list[jax.Array]]] = []  # leaf -> piece -> the shard each copy reads
         values: list[Any] = []
         for x, plan in zip(arrays, plans, strict=True):
             if plan is None:
-                staged.append([])
-                sources.append([])
+                reads.append([])
                 values.append(copylib.deepcopy(x))
                 continue
             shards = x.addressable_shards
-            staged.append(
-                [
-                    engine.stage_piece([shards[c.shard].data for c in p.copies], [c.dest for c in p.copies])
-                    for p in plan.pieces
-                ]
-            )
-            # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that
-            # holds one of them restores its own shard of this state in place. (Holding every replica would
-            # also keep the others from being donated: each step after a save would allocate them anew.)
-            sources.append(
-                [
-                    [(shards[c.shard].device, v, shards[c.shard].data) for c, v in zip(p.copies, views, strict=True)]
-                    for p, views in zip(plan.pieces, staged[-1], strict=True)
-                ]
-                if engine.name == "host"
-                else []
-            )
+            reads.append([[shards[c.shard].data for c in p.copies] for p in plan.pieces])
             values.append(None)
-        if any(not isinstance(v, np.ndarray) for leaf in sources for piece in leaf for _, v, _ in piece):
-            sources = []  # a shard was still being computed: its copy lands later, and a restore waits for it
+        flat = [
+            (read, [c.dest for c in p.copies])
+            for plan, leaf in zip(plans, reads, strict=True)
+            if plan
+            for p, read in zip(plan.pieces, leaf, strict=True)
+        ]
+        landed = iter(engine.stage_pieces(flat))
+        staged: list[list[list[Any]]] = [[next(landed) for _ in leaf] for leaf in reads]
+        # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that holds one
+        # of them restores its own shard of this state in place. (Holding every replica would also keep the others
+        # from being donated: each step after a save would allocate them anew.) A shard still being computed has
+        # no view yet: then a restore waits for the copy.
+        sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]] = []
+        views_only = engine.name == "host" and all(
+            isinstance(v, np.ndarray) for leaf in staged for piece in leaf for v in piece
+        )
+        if views_only:
+            sources = [
+                [
+                    [(a.device, v, a) for a, v in zip(read, views, strict=True)]
+                    for read, views in zip(leaf, staged_leaf, strict=True)
+                ]
+                for leaf, staged_leaf in zip(reads, staged, strict=True)
+            ]
         with self._cv:
             if self._closed:
                 raise SnapshotConfigError("the snapshotter is closed")
@@ -158,7 +162,9 @@ class Snapshotter:
                 self._cv.wait_for(lambda: self._pending is None or self._closed)
             if self._pending is not None:
                 self._stats["snapshots_coalesced"] += 1
-                log.info("snapshot_coalesced", step=self._pending.step, replaced_by=step)
+                # Said once at info (saves come faster than copies), then at debug: a line per save costs the loop.
+                say = log.info if self._stats["snapshots_coalesced"] == 1 else log.debug
+                say("snapshot_coalesced", step=self._pending.step, replaced_by=step)
             self._pending = req
             self._cv.notify_all()
         blocked = time.perf_counter() - t0
