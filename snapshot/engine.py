@@ -60,6 +60,11 @@ class Engine(Protocol):
         """The copy's bytes as a read-only numpy array (for a transfer to another tier)."""
 
 
+def _computed(x: jax.Array) -> bool:
+    """Whether ``x``'s value exists yet (``ArrayImpl.is_ready``, which the ``jax.Array`` stub does not name)."""
+    return bool(x.is_ready())  # type: ignore[attr-defined]
+
+
 class HostEngine:
     name = "host"
 
@@ -74,7 +79,7 @@ class HostEngine:
         staged: list[list[Any]] = []
         pending: list[int] = []
         for shards, _ in pieces:
-            if all(s.is_ready() for s in shards):
+            if all(_computed(s) for s in shards):
                 staged.append([np.asarray(s) for s in shards])
             else:
                 pending.append(len(staged))
