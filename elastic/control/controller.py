@@ -57,6 +57,7 @@ __all__ = ["Controller", "JobResult", "StepCallback", "StepHook"]
 
 StepHook = Callable[[int], None]
 StepCallback = Callable[[int, dict[str, Any], Any], None]
+REPORT_REPLY_S = 2.0  # how long the client waits for the supervisor's reply to a loss it reported (then: the watcher)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,9 +253,13 @@ class Controller:
     def _await_view(self, action: AwaitView) -> Event:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
         incarnations, suspect = self._placement.lost(action.dead)
-        self._group.supervisor.report_lost.remote(
+        reply = self._group.supervisor.report_lost.remote(
             sorted(action.dead), "client probe after a slice-loss error", incarnations=incarnations, suspect=suspect
         )
+        try:  # the supervisor answers with the view it made: no need to wait for the long poll to carry it
+            self._watcher.offer(ray.get(reply, timeout=REPORT_REPLY_S))
+        except Exception as err:  # noqa: BLE001 - slow or restarting: the watcher brings the view (bounded below)
+            self._log.info("report_lost_unanswered", error=f"{type(err).__name__}"[:100])
 
         def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
             back = self._placement.replaced(action.dead & v.active, incarnations)

@@ -143,6 +143,14 @@ class ViewWatcher:
             self._lost = reason
             self._cond.notify_all()
 
+    def offer(self, view: View) -> None:
+        """A view the supervisor answered another call with (its reply to ``report_lost``): taken when newer, so
+        a waiter need not wait for the long poll to bring the same view."""
+        with self._cond:
+            if view.epoch > self._view.epoch:
+                self._view = view
+                self._cond.notify_all()
+
     def wait_for(self, predicate: Callable[[View], bool], timeout_s: float, *, what: str) -> View:
         """The first view satisfying ``predicate``; raises on give-up, on losing the supervisor for good, or
         after ``timeout_s``."""

@@ -243,6 +243,24 @@ class _FallsSilent:
         return View(epoch=1, active=ALL4)
 
 
+def test_a_watcher_takes_a_view_the_supervisor_answered_a_report_with(ray_local):
+    """The client that reports a loss gets the supervisor's new view in the reply (``offer``): a waiter sees it
+    at once, without the long poll (here never answered again); an older view offered later changes nothing."""
+    stand_in = _FallsSilent.remote()
+    assert ray.get(stand_in.ping.remote(), timeout=60)
+    watcher = ViewWatcher(stand_in, View(), job="t", poll_s=0.2, lost_after_s=60.0)
+    try:
+        assert watcher.wait_for(lambda v: v.epoch >= 1, 30, what="the first view").epoch == 1
+        three = View(epoch=3, active=frozenset({0, 2, 3}))
+        watcher.offer(three)
+        assert watcher.wait_for(lambda v: v.epoch >= 3, 1.0, what="the offered view") == three
+        watcher.offer(View(epoch=2, active=ALL4))
+        assert watcher.view == three
+    finally:
+        watcher.stop()
+        ray.kill(stand_in)
+
+
 def test_a_watcher_counts_a_silent_supervisor_lost_after_its_bound(ray_local):
     """An alive supervisor that answers nothing (stuck, or restarting for too long) is lost after lost_after_s of
     silence, not before (a restart looks like silence) and not never."""
