@@ -14,8 +14,8 @@
 * Ours: ``elastic.Trainer`` + ``elastic.optax_step`` (benchmarks/recovery.py's MLP, hidden 1024, 15 MiB of
   state with Adam, batch 48), data addressed by step, a host snapshot every ``--snapshot-every`` steps,
   ``elastic.Faults().kill_slice/revive_slice``. The repaired slice's agent starts without holding the
-  loop, as it would on its own host (``--blocking-revive``: the drill's default, the loop waits ~1 s for
-  Ray to start a worker process on this machine's 2 cores).
+  loop, as it would on its own host (``revive_slice(..., hold=False)``; ``--blocking-revive``: the drill's
+  default, the loop waits ~0.5-1 s for Ray to start a worker process on this machine's 2 cores).
 * Baseline: a plain jax + optax loop in a child process (same model, batch, step math, replicated state,
   mesh of the live slices), an async Orbax ``CheckpointManager`` save of the initial state and every
   ``--checkpoint-every`` steps. At a failure step the child SIGKILLs itself (work since the newest
@@ -193,8 +193,11 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
 
     init, loss = make_model(args.hidden)
     faults = Faults()
-    for e in schedule:
-        (faults.kill_slice if e.kind == "kill" else faults.revive_slice)(e.slice, at_step=e.step)
+    for e in schedule:  # a repaired slice's agent comes up on its own host, not in our loop (unless --blocking-revive)
+        if e.kind == "kill":
+            faults.kill_slice(e.slice, at_step=e.step)
+        else:
+            faults.revive_slice(e.slice, at_step=e.step, hold=args.blocking_revive)
     commits: list[tuple[int, float, int, Any]] = []
     config = ElasticConfig(
         job_name="goodput",
@@ -214,15 +217,6 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
         on_step=lambda step, m, run: commits.append((step, time.time(), run.num_devices, (run.epoch, run.start_step))),
     )
     trainer.job.start()
-    if not args.blocking_revive:  # a repaired slice's agent comes up on its own host, not in our loop
-        group = trainer.job.group
-        spawn = group.spawn_agent
-
-        def spawn_in_background(index: int, *, wait: bool = True) -> None:
-            spawn(index, wait=False)
-            group.agent(index).start.remote()
-
-        group.spawn_agent = spawn_in_background
     result = trainer.fit()
     report = result.report
     timeline = report.timeline

@@ -172,10 +172,13 @@ class Schedule:
                 elif f.kind == "hang":
                     faults.hang_step(at_step=f.at_step, slice=f.slice)
                 else:
-                    {"kill": faults.kill_slice, "revive": faults.revive_slice, "silence": faults.silence_agent}[f.kind](
-                        f.slice,  # type: ignore[arg-type]  # kill/revive/silence name a slice
-                        at_step=f.at_step,
-                    )
+                    assert f.slice is not None  # kill, revive and silence name a slice
+                    if f.kind == "kill":
+                        faults.kill_slice(f.slice, at_step=f.at_step)
+                    elif f.kind == "revive":
+                        faults.revive_slice(f.slice, at_step=f.at_step)
+                    else:
+                        faults.silence_agent(f.slice, at_step=f.at_step)
         return faults
 
     @property

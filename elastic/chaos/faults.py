@@ -28,6 +28,7 @@ class Fault:
     at_step: int
     slice: int | None = None
     during: During = "step"  # multi-process kills: as the step starts, inside its collectives, or in a re-formation
+    hold: bool = True  # revives: the loop waits for the slice to be back (a repeatable drill), or goes on
 
 
 class Faults:
@@ -46,10 +47,14 @@ class Faults:
             raise ConfigError(f"kill_slice during={during!r}: choose one of {', '.join(DURING)}")
         return self._add(Fault(kind="kill", slice=slice, at_step=at_step, during=during))
 
-    def revive_slice(self, slice: int, *, at_step: int) -> Faults:
+    def revive_slice(self, slice: int, *, at_step: int, hold: bool = True) -> Faults:
         """A repaired slice ``slice`` comes back (new agent, working devices) as step ``at_step`` starts; the
-        job grows onto it at the next step boundary, so it computes from step ``at_step + 1`` on."""
-        return self._add(Fault(kind="revive", slice=slice, at_step=at_step))
+        job grows onto it at the next step boundary, so it computes from step ``at_step + 1`` on.
+
+        ``hold=False``: the loop goes on while the new agent starts, as a repaired host's own agent would (no
+        wait for Ray to start its process); the job grows at the first step boundary after it registered, so the
+        step it computes from depends on how long that took."""
+        return self._add(Fault(kind="revive", slice=slice, at_step=at_step, hold=hold))
 
     def silence_agent(self, slice: int, *, at_step: int) -> Faults:
         """Slice ``slice``'s agent stays alive but stops heartbeating (a hung host)."""
@@ -81,6 +86,8 @@ class Faults:
             value = getattr(fault, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"{fault.kind} {name} must be an int, got {value!r} of type {type(value).__name__}")
+        if not isinstance(fault.hold, bool):
+            raise ConfigError(f"{fault.kind} hold must be True or False, got {fault.hold!r}")
         if fault.at_step < 0:
             raise ConfigError(f"{fault.kind} at_step must be 0 or more, got {fault.at_step}")
         self._faults.append(fault)

@@ -38,7 +38,7 @@ COLLECTIVE_DELAY_S = 0.02  # a kill "during the collective": this long into the 
 class FaultInjector:
     """Fires each fault once, when the loop reaches its step (a recomputed step does not fire it again). A
     ``revive`` returns once the slice is back in the membership view (at most ``hold_s``), so the job grows onto
-    it at the next step boundary however long its new agent took to start."""
+    it at the next step boundary however long its new agent took to start (``hold=False``: it returns at once)."""
 
     def __init__(
         self,
@@ -115,8 +115,11 @@ class FaultInjector:
         elif fault.kind == "revive":
             if self._simulated:
                 runtime.simulated.revive_slice(slice_)
-            group.spawn_agent(fault.slice)
-            self._await_back(fault.slice)
+            if fault.hold:
+                group.spawn_agent(fault.slice)
+                self._await_back(fault.slice)
+            else:  # the new agent starts and registers on its own; the job grows when the view has it
+                group.revive(fault.slice)
 
     def _await_back(self, index: int) -> None:
         watcher = self._watcher()
@@ -134,8 +137,8 @@ class WorkerFaults:
     included), a ``hang`` of no slice (every worker's step never completes until the step watchdog ends it) and
     ``transient`` (every worker's step raises a slice-loss error). A ``revive`` of slice k at step n holds every
     worker before step n + 1 until slice k is back in the membership view (its new process, started by the driver
-    at step n, joins there), at most ``hold_s``. Pickled to every worker; each fault fires once per process, and
-    never at a step the job had reached before (a recomputed step)."""
+    at step n, joins there), at most ``hold_s`` (not with ``hold=False``). Pickled to every worker; each fault
+    fires once per process, and never at a step the job had reached before (a recomputed step)."""
 
     KINDS = ("kill", "silence", "hang", "transient", "revive")
 
@@ -165,7 +168,8 @@ class WorkerFaults:
                 continue
             if fault.kind == "revive":
                 self._fired.add(fault)
-                self._hold(context, fault)
+                if fault.hold:
+                    self._hold(context, fault)
                 continue
             if (fault.slice is not None and fault.slice != slice_index) or fault.during in ("forming", "restore"):
                 continue

@@ -44,3 +44,29 @@ def test_loss_bounded_by_steps_since_last_snapshot(ray_local, kill_at):
     restored = [e for e in job.timeline.events if e["event"] == "restored"]
     assert restored and restored[0]["step"] == last_snapshot
     np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(25, np.int32))
+
+
+def test_a_revive_that_does_not_hold_the_loop_grows_back_later_exactly_once(ray_local):
+    """``revive_slice(hold=False)``: the loop goes on while the new agent starts (it is not in the view when the
+    revive's step is confirmed), the job grows at a later boundary once it registered, and every step and batch is
+    still committed exactly once."""
+    seen: dict[str, bool] = {}
+
+    def on_step(step, metrics, run):
+        if step == 10:  # the revive fired as step 10 started; a held loop would have waited for the new agent
+            seen["back_when_step_10_committed"] = 1 in job.controller.view.active
+        if step == 14:  # let the new agent register (bounded wait on the view) so that the job grows before it ends
+            job._watcher.wait_for(lambda v: 1 in v.active, 60, what="slice 1 back")  # noqa: SLF001
+
+    faults = Faults().kill_slice(1, at_step=4).revive_slice(1, at_step=10, hold=False)
+    job, loop = ledger_job("revive-no-hold", faults, on_step=on_step, num_steps=24)
+    with job:
+        result = job.run(loop)
+    assert seen == {"back_when_step_10_committed": False}
+    np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(24, np.int32))
+    np.testing.assert_array_equal(np.asarray(result.state["batch_of"]), np.arange(24, dtype=np.int32))
+    r = result.report
+    assert (r.duplicate_steps, r.skipped_steps, r.steps_committed) == (0, 0, 24)
+    assert r.recoveries == 1 and r.grows == 1 and r.slices_final == 4
+    regrown = next(e for e in job.timeline.events if e["event"] == "resharded" and e["slices"] == 4)
+    assert regrown["step"] > 11, regrown  # held, the job would grow at step 11 exactly
