@@ -1,9 +1,11 @@
 """How a shard gets into the host memory attached to a device: one seam, two backends.
 
 ``HostEngine`` serves backends whose device memory already is host memory (CPU): it takes a
-zero-copy view of the shard on the training thread (which also keeps the buffer from being donated
-while the copy runs), copies it with numpy into a reused, aligned buffer on a background thread, and
-hands the buffer to jax as a ``pinned_host`` array of the destination device (zero-copy on CPU).
+zero-copy view of a computed shard on the training thread (which also keeps the buffer from being
+donated while the copy runs), or, for a shard still being computed, dispatches one transfer into its
+device's ``pinned_host`` memory behind the computation; it copies that with numpy into a reused, aligned
+buffer on a background thread, and hands the buffer to jax as a ``pinned_host`` array of the
+destination device (zero-copy on CPU). Neither waits for compute on the training thread.
 ``DeviceEngine`` serves accelerators: the training thread dispatches an asynchronous
 ``device_put`` into the destination device's ``pinned_host`` memory (the runtime orders it before any
 later donation) and a device-side checksum; nothing crosses into the client process.
@@ -40,12 +42,10 @@ class Copy:
 class Engine(Protocol):
     name: str
 
-    def stage(self, shard: jax.Array, dest: Any) -> Any:
-        """On the training thread: cheap, and safe against the state's later donation."""
-
     def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
-        """``stage`` for every copy of every piece (per piece, the shards its copies read and their destinations),
-        on the training thread; never waits for compute."""
+        """On the training thread, for every copy of every piece (given as the shards its copies read and their
+        destinations): what ``write`` will read. Cheap, safe against the state's later donation, and never waits
+        for compute."""
 
     def write(self, staged: Any, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         """On the background thread: the finished copy in ``dest``'s host memory."""
@@ -67,9 +67,6 @@ def _computed(x: jax.Array) -> bool:
 
 class HostEngine:
     name = "host"
-
-    def stage(self, shard: jax.Array, dest: Any) -> np.ndarray:
-        return np.asarray(shard)  # zero-copy on CPU; blocks until the shard is computed
 
     def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
         """A piece whose shards are computed: zero-copy views. One still being computed: a single transfer of its
@@ -104,7 +101,7 @@ class HostEngine:
         self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None, hasher: Any
     ) -> Copy:
         """Copy in cache-sized chunks, hashing each chunk while it is still in cache."""
-        if isinstance(staged, jax.Array):  # a landing transfer (``stage_piece``): wait for it here, off the loop
+        if isinstance(staged, jax.Array):  # a landing transfer (``stage_pieces``): wait for it here, off the loop
             staged = np.asarray(staged)
         if buffer is None or buffer.shape != staged.shape or buffer.dtype != staged.dtype:
             buffer = aligned_empty(staged.shape, staged.dtype)

@@ -1,7 +1,8 @@
 """The Snapshotter: asynchronous, double-buffered host snapshots that stay next to their shards.
 
-``save(step, state, meta)`` returns once the state is computed and its shards are staged (zero-copy
-views, or dispatched device-to-host copies); a background thread copies every distinct shard into
+``save(step, state, meta)`` returns once its shards are staged, without waiting for the state to be
+computed (zero-copy views of computed shards, or dispatched transfers to host memory that land behind the
+computation); a background thread copies every distinct shard into
 the host memory of ``copies`` devices on distinct slices, checksums each piece where it lives, and
 publishes the generation only when it is complete. ``keep`` complete generations are held; buffers
 are reused across generations (``keep + 1`` slots: the one being written never holds a complete
