@@ -29,7 +29,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = [
 NAMESPACE = "elastic-events"
 DEFAULT_KEEP = 50_000  # records per writer (~200 bytes each: ~10 MB per writer at most)
 KEEP_RUNS = 5  # runs kept per job name
+WRITERS = 4  # threads writing a stream's records at once (append_soon)
 
 
 def _key(*parts: object) -> bytes:
@@ -123,26 +125,44 @@ class EventStream:
         seqs = [int(k.rsplit(b"/", 1)[1]) for k in kv._internal_kv_list(prefix, namespace=NAMESPACE)]
         self._next = max(seqs, default=-1) + 1  # a restarted writer continues its sequence
         self.failed = 0
+        self._pool: ThreadPoolExecutor | None = None  # append_soon's writers, started on first use
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Write a record (returns once it is stored, or counted as failed) and return it."""
+        record, write = self.prepare(kind, **fields)
+        write()
+        return record
+
+    def append_soon(self, kind: str, **fields: Any) -> tuple[dict[str, Any], Future[None]]:
+        """The record, and its write already started on this stream's writer threads: several records written
+        at once take one round trip to the GCS, not one each (under load a round trip took 15-30 ms here). Each
+        has its own ``seq``, so readers order them whatever order they land in."""
+        record, write = self.prepare(kind, **fields)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="event-stream")
+        return record, self._pool.submit(write)
+
+    def prepare(self, kind: str, **fields: Any) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The next record (its ``seq`` taken, signed) and the write that stores it."""
         with self._lock:
             seq, self._next = self._next, self._next + 1
         record = {"wall": round(time.time(), 6), "writer": self.writer, "seq": seq, "kind": kind, **fields}
         if self._key is not None:
             record = sign(json.loads(json.dumps(record, default=str)), self._key)  # signed as it is stored
-        try:
-            kv._internal_kv_put(
-                _key(self.job, self.run, self.writer, f"{seq:012d}"),
-                json.dumps(record, default=str).encode(),
-                namespace=NAMESPACE,
-            )
-            if seq >= self.keep:
-                kv._internal_kv_del(
-                    _key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"), namespace=NAMESPACE
-                )
-        except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the record is lost, counted
-            self.failed += 1
-        return record
+        data = json.dumps(record, default=str).encode()
+
+        def write() -> None:
+            try:
+                kv._internal_kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"), data, namespace=NAMESPACE)
+                if seq >= self.keep:
+                    kv._internal_kv_del(
+                        _key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"), namespace=NAMESPACE
+                    )
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the record is lost, counted
+                with self._lock:
+                    self.failed += 1
+
+        return record, write
 
     def mine(self) -> list[dict[str, Any]]:
         """This writer's records in this run, in order (a restarted writer's replay)."""
