@@ -155,7 +155,7 @@ class ElasticConfig:
     seed: int = 0
     policy: Policy = Policy()
     tiers: Tiers = Tiers()
-    heartbeat_interval_s: float = 0.25
+    heartbeat_interval_s: float = 1.0  # a death is seen at once (the lifeline); a hung agent after the timeout
     heartbeat_timeout_s: float = 3.0
     startup_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0
