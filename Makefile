@@ -33,6 +33,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recovery.py --json
 	$(BIN)/python benchmarks/goodput.py --json
 	$(BIN)/python benchmarks/supervisor_scale.py --slices 1024 --json
+	$(BIN)/python benchmarks/overhead.py --json
+	$(BIN)/python benchmarks/idle_cpu.py --json
 
 clean:
 	rm -rf $(VENV) *.egg-info site .mypy_cache .ruff_cache
