@@ -108,3 +108,24 @@ def test_bad_checkpoints_and_targets_are_refused_at_construction(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint of step 1: the run continues from there, so num_steps"):
         ElasticJob(config("orbax-bad", num_steps=1), init_fn=init_state, init_from=root)
     assert checkpoint_step(root) == 1  # still there, untouched
+
+
+def test_a_job_from_a_manager_root_whose_newest_step_is_120_first_commits_step_120(ray_local, tmp_path):
+    """The issue's case as written: a CheckpointManager root holding steps 100 and 120; the job continues at the
+    newest, so its first committed step is 120 (not 0, and not 100)."""
+    state = plain(init_state(jax.random.key(3)), 0, 100)
+    with ocp.CheckpointManager(tmp_path / "ckpts") as manager:
+        manager.save(100, args=ocp.args.StandardSave(state))
+        manager.save(120, args=ocp.args.StandardSave(plain(state, 100, 20)))
+        manager.wait_until_finished()
+    committed: list[int] = []
+    job = ElasticJob(
+        config("orbax-120", num_steps=124),
+        init_fn=init_state,
+        init_from=tmp_path / "ckpts",
+        on_step=lambda step, metrics, run: committed.append(step),
+    )
+    with job:
+        job.run(loop)
+    assert committed[0] == 120 and committed == [120, 121, 122, 123]
+    assert job.report.extra["continued_from_step"] == 120
