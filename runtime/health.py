@@ -4,7 +4,7 @@ slice whose probe does not answer in time, e.g. wedged behind a hung collective,
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -73,7 +73,18 @@ class SliceProbe:
         return frozenset(dead)
 
 
-def probe_slices(slices: Sequence[Slice], timeout_s: float | None = None) -> frozenset[int]:
-    """Indices of the slices whose probe failed or did not answer within ``timeout_s``."""
+def probe_slices(
+    slices: Sequence[Slice],
+    timeout_s: float | None = None,
+    *,
+    early: Callable[[frozenset[int]], None] | None = None,
+) -> frozenset[int]:
+    """Indices of the slices whose probe failed or did not answer within ``timeout_s``. ``early``, when given,
+    is called with the slices whose probe failed at dispatch (a lost slice's), if any, before the others'
+    answers are awaited: those wait behind whatever is in flight on their devices."""
     probe = SliceProbe(slices)
-    return probe.collect(probe.dispatch(), timeout_s)
+    pending = probe.dispatch()
+    failed = frozenset(s.index for s, result in pending if isinstance(result, BaseException) and is_slice_loss(result))
+    if failed and early is not None:
+        early(failed)
+    return probe.collect(pending, timeout_s)

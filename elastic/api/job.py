@@ -300,6 +300,8 @@ class ElasticJob:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        if self._client_events is not None:
+            self._client_events.flush()
         if self._group is not None:
             self._group.shutdown()
             self._record()
@@ -378,6 +380,8 @@ class ElasticJob:
                 self._log.info("saved_final", path=str(self._save_final_to))
         finally:
             placement.close()
+            if self._client_events is not None:
+                self._client_events.flush()  # the run's records are in the stream when run returns
         return result
 
     def _new_placement(self) -> Any:

@@ -13,6 +13,7 @@ table), action (the executors below, and the placement's ``prepare``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -96,6 +97,7 @@ class Controller:
         self._result: JobResult | None = None
         self._value: Any = None
         self._failure = ("", False)  # the last recoverable failure: its cause, and whether a step hung
+        self._reports: list[tuple[frozenset[int], dict[int, int] | None, Any]] = []  # (slices, incarnations, reply)
         self._stall = StallReporter(config.step_wait_s(first=True), log=self._log, timeline=accounting.timeline)
 
     # -- the driver ----------------------------------------------------------------------------
@@ -242,24 +244,40 @@ class Controller:
         )
 
     def _probe(self, action: Probe) -> Event:
-        """Which slices answer within ``step_timeout_s`` (one that does not is dead)."""
-        dead = self._placement.probe(action.slices, self.config.step_timeout_s)
+        """Which slices answer within ``step_timeout_s`` (one that does not is dead). Slices known dead before
+        the others answer are reported at once: the supervisor judges them while the survivors' probes wait
+        behind the step in flight on their devices."""
+        self._reports = []
+        dead = self._placement.probe(action.slices, self.config.step_timeout_s, early=self._report)
         attempt = self._acct.failures_in_a_row
         if not dead and attempt <= self.config.max_transient_retries:
             self._log.warning("transient_failure_retry", attempt=attempt, hung=self._failure[1])
         cause, hung = self._failure
         return Probed(dead, attempt, cause=cause, hung=hung)
 
+    def _report(self, dead: frozenset[int]) -> None:
+        """Report ``dead`` to the supervisor as lost; its reply (the view it made) is awaited in ``_await_view``."""
+        incarnations, suspect = self._placement.lost(dead)
+        reply = self._group.supervisor.report_lost.remote(
+            sorted(dead), "client probe after a slice-loss error", incarnations=incarnations, suspect=suspect
+        )
+        self._reports.append((dead, incarnations, reply))
+
     def _await_view(self, action: AwaitView) -> Event:
         self._log.warning("slices_lost", dead=sorted(action.dead), epoch=action.after_epoch)
-        incarnations, suspect = self._placement.lost(action.dead)
-        reply = self._group.supervisor.report_lost.remote(
-            sorted(action.dead), "client probe after a slice-loss error", incarnations=incarnations, suspect=suspect
-        )
-        try:  # the supervisor answers with the view it made: no need to wait for the long poll to carry it
-            self._watcher.offer(ray.get(reply, timeout=REPORT_REPLY_S))
-        except Exception as err:  # noqa: BLE001 - slow or restarting: the watcher brings the view (bounded below)
-            self._log.info("report_lost_unanswered", error=f"{type(err).__name__}"[:100])
+        reported = frozenset().union(*(r[0] for r in self._reports))
+        if action.dead - reported:
+            self._report(action.dead - reported)
+        reports, self._reports = self._reports, []
+        incarnations: dict[int, int] | None = None
+        deadline = time.monotonic() + REPORT_REPLY_S
+        for _, seen, reply in reports:
+            if seen is not None:
+                incarnations = {**(incarnations or {}), **seen}
+            try:  # the supervisor answers with the view it made: no need to wait for the long poll to carry it
+                self._watcher.offer(ray.get(reply, timeout=max(deadline - time.monotonic(), 0.0)))
+            except Exception as err:  # noqa: BLE001 - slow or restarting: the watcher brings the view (bounded below)
+                self._log.info("report_lost_unanswered", error=f"{type(err).__name__}"[:100])
 
         def settled(v: View) -> bool:  # each dead slice out of the view, or back in it with a new agent
             back = self._placement.replaced(action.dead & v.active, incarnations)

@@ -91,8 +91,12 @@ class Placement(Protocol):
     def drop(self) -> None:
         """Forget the live state (after a failure it may sit on lost devices): the next prepare restores."""
 
-    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
-        """Which of ``slices`` do not answer within ``timeout_s`` (dead)."""
+    def probe(
+        self, slices: frozenset[int], timeout_s: float | None, *, early: Callable[[frozenset[int]], None] | None = None
+    ) -> frozenset[int]:
+        """Which of ``slices`` do not answer within ``timeout_s`` (dead). ``early``, when given, is called once
+        with the slices known dead before the others' answers are awaited (none: not called), so that the caller
+        can act on them meanwhile; the result includes them."""
 
     def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
         """For a report of ``slices`` as lost: the agent incarnation of each that was seen failing (None: the

@@ -163,9 +163,12 @@ class LocalPlacement:
         # Dropped now, so that the restore reuses its memory instead of allocating it twice.
         self._live = self._prepared = self._state = None
 
-    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
-        """Which slices do not answer a tiny computation within ``timeout_s`` (one that does not is dead)."""
-        return frozenset(runtime.probe_slices(self._topology.select(slices), timeout_s=timeout_s))
+    def probe(
+        self, slices: frozenset[int], timeout_s: float | None, *, early: Callable[[frozenset[int]], None] | None = None
+    ) -> frozenset[int]:
+        """Which slices do not answer a tiny computation within ``timeout_s`` (one that does not is dead); one
+        whose probe fails at dispatch is known at once (``early``)."""
+        return runtime.probe_slices(self._topology.select(slices), timeout_s=timeout_s, early=early)
 
     def lost(self, slices: frozenset[int]) -> tuple[dict[int, int] | None, bool]:
         return None, True  # a slice that failed in this process: its hardware is suspect

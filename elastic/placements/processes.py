@@ -490,8 +490,11 @@ class ProcessPlacement:
     def drop(self) -> None:
         self._plan = None
 
-    def probe(self, slices: frozenset[int], timeout_s: float | None) -> frozenset[int]:
-        """Which workers do not answer a ping within a few seconds (dead, stopped, or on a lost node)."""
+    def probe(
+        self, slices: frozenset[int], timeout_s: float | None, *, early: Callable[[frozenset[int]], None] | None = None
+    ) -> frozenset[int]:
+        """Which workers do not answer a ping within a few seconds (dead, stopped, or on a lost node). A worker
+        replaced or gone from the group is known dead before any ping is awaited (``early``)."""
         group = self._group()
         bound = min(timeout_s or PROBE_S, PROBE_S)
         refs = {}
@@ -504,6 +507,8 @@ class ProcessPlacement:
                 refs[s] = group.agent(s).ping.remote()
             except KeyError:
                 dead.add(s)
+        if dead and early is not None:
+            early(frozenset(dead))
         for s, ref in refs.items():
             try:
                 ray.get(ref, timeout=bound)

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,8 @@ class EventStream:
         self._next = max(seqs, default=-1) + 1  # a restarted writer continues its sequence
         self.failed = 0
         self._pool: ThreadPoolExecutor | None = None  # append_soon's writers, started on first use
+        self._behind: ThreadPoolExecutor | None = None  # append_behind's one writer, started on first use
+        self._last: Future[None] | None = None  # append_behind's newest write
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Write a record (returns once it is stored, or counted as failed) and return it."""
@@ -141,6 +144,28 @@ class EventStream:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="event-stream")
         return record, self._pool.submit(write)
+
+    def append_behind(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The record, written in order on one writer thread: the caller does not wait for the GCS (a training
+        loop or a recovery must not pay a round trip per record). ``flush`` waits for the writes."""
+        record, write = self.prepare(kind, **fields)
+        with self._lock:
+            if self._behind is None:
+                self._behind = ThreadPoolExecutor(1, thread_name_prefix="event-stream-behind")
+            self._last = self._behind.submit(write)
+        return record
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait (at most ``timeout_s``) until every ``append_behind`` record is written; whether they all were."""
+        with self._lock:
+            last = self._last
+        if last is None:
+            return True
+        try:
+            last.result(timeout=timeout_s)  # one writer, in order: the newest done means all are
+        except FutureTimeout:
+            return False
+        return True
 
     def prepare(self, kind: str, **fields: Any) -> tuple[dict[str, Any], Callable[[], None]]:
         """The next record (its ``seq`` taken, signed) and the write that stores it."""

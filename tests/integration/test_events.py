@@ -111,3 +111,19 @@ def test_a_writer_keeps_its_newest_records_only(ray_local):
     assert run not in events.runs(job)  # a job keeps its newest runs only
     events.delete(job)
     assert events.runs(job) == [] and events.read(job) == []
+
+
+@pytest.mark.timeout(120)
+def test_records_written_behind_the_caller_land_in_order_by_flush(ray_local):
+    """``append_behind`` (the client's timeline and progress: a loop or a recovery never waits for the GCS)
+    returns the record at once; ``flush`` returns once all have landed, each under its own seq, in order."""
+    job = f"ev-behind-{uuid.uuid4().hex[:6]}"
+    run = events.new_run(job)
+    stream = events.EventStream(job, run, "client-2", keep=100)
+    assert stream.flush(1.0)  # nothing written behind yet
+    sent = [stream.append_behind("progress", step=i) for i in range(30)]
+    assert [r["seq"] for r in sent] == list(range(30))
+    assert stream.flush(30.0)
+    kept = events.read(job, run, writers=["client-2"])
+    assert [r["step"] for r in kept] == list(range(30)) and stream.failed == 0
+    events.delete(job)

@@ -127,6 +127,38 @@ def test_probe_of_a_wedged_device_is_bounded(topo):
     jax.block_until_ready(wedged)
 
 
+def test_a_lost_slice_is_named_before_the_survivors_answer_their_probes(topo):
+    """``probe_slices(early=...)``: a lost slice's probe fails at dispatch and is handed to ``early`` at once,
+    while the survivors' probes still wait behind the computation in flight on their devices (here one that
+    only ``early`` releases: called after the survivors' answers, it would come too late, every probe would
+    wait out its bound, and every slice would count as dead)."""
+    release = threading.Event()
+    survivors = [d for s in topo.select([0, 2, 3]) for d in s.devices]
+    mesh = Mesh(np.array(survivors), ("d",))
+
+    def held(x):
+        token = io_callback(lambda t: (release.wait(), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        return jax.lax.optimization_barrier((token, x))[1]
+
+    busy = jax.jit(held)(jax.device_put(jnp.ones((6,)), NamedSharding(mesh, P("d"))))
+    simulated.kill_slice(topo.slice(1))
+    heard = []
+
+    def early(dead):
+        heard.append((dead, busy.is_ready()))
+        release.set()
+
+    try:
+        assert runtime.probe_slices(topo.slices, timeout_s=5.0, early=early) == frozenset({1})
+    finally:
+        release.set()
+    assert heard == [(frozenset({1}), False)]  # once, the lost slice only, while the survivors were busy
+    jax.block_until_ready(busy)
+    heard.clear()
+    assert runtime.probe_slices(topo.select([0, 2]), timeout_s=5.0, early=early) == frozenset()
+    assert heard == []  # nobody lost: not called
+
+
 def test_step_hung_error_pickles_with_its_fields():
     err = StepHungError("step 3", 1.5, pending=1, total=4, hint="raise it")
     back = pickle.loads(pickle.dumps(err))
