@@ -83,6 +83,14 @@ class _Unconfirmed:
     first: bool
 
 
+def _steps(covered: list[_Unconfirmed]) -> str:
+    """What a wait covering these steps waits for, as the watchdog's error names it."""
+    last = covered[-1]
+    if len(covered) == 1:
+        return f"step {last.step}{' (the first of this pass)' if last.first else ''}"
+    return f"steps {covered[0].step}-{last.step} (the loop ran ahead of them)"
+
+
 def _live(tree: Any) -> Any:
     """The arrays of ``tree`` still alive: a leaf donated to a later step is gone (that step's readiness covers it)."""
     return [x for x in jax.tree_util.tree_leaves(tree) if not (isinstance(x, jax.Array) and x.is_deleted())]
@@ -106,6 +114,7 @@ class Run:
         self._data: dict[str, DataIterator] = {}
         self._window = max(1, host.config.in_flight)
         self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
+        self._unseen: list[_Unconfirmed] = []  # confirmed steps whose result was never waited on (donated ahead)
 
     @property
     def epoch(self) -> int:
@@ -186,16 +195,17 @@ class Run:
         self._confirm(keep=0)
 
     def _confirm(self, *, keep: int) -> None:
-        """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain."""
+        """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain.
+
+        A step whose state was donated to the next one before it was confirmed (and that committed no metrics)
+        has nothing left to wait on: the next wait that has something covers it too, and gets each step it covers
+        its own ``step_timeout_s`` (a loop that ran ahead ten steps is not hung for taking ten steps' time)."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
-            wait_ready(
-                _live((u.state, u.metrics)),
-                self._devices,
-                timeout_s=self._host.config.step_wait_s(first=u.first),
-                what=f"step {u.step}{' (the first of this pass)' if u.first else ''}",
-                hint=self._hang_hint,
-            )
+            live = _live((u.state, u.metrics))
+            covered = [*self._unseen, u]
+            wait_ready(live, self._devices, timeout_s=self._bound(covered), what=_steps(covered), hint=self._hang_hint)
+            self._unseen = [] if live else covered
             self._unconfirmed.popleft()
             self.state = u.state
             live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
@@ -203,6 +213,13 @@ class Run:
                 self._host.committed(self, u.step, u.state, u.batch, u.metrics)
             finally:
                 self.extras = live
+
+    def _bound(self, covered: list[_Unconfirmed]) -> float | None:
+        """The watchdog's bound on a wait that covers these steps: each its own ``step_wait_s``."""
+        config = self._host.config
+        if config.step_timeout_s is None:
+            return None
+        return sum(config.step_wait_s(first=u.first) or 0.0 for u in covered)
 
     def data(self, source: Source, *, name: str = "data") -> DataIterator:
         """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
