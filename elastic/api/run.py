@@ -83,14 +83,6 @@ class _Unconfirmed:
     first: bool
 
 
-def _steps(covered: list[_Unconfirmed]) -> str:
-    """What a wait covering these steps waits for, as the watchdog's error names it."""
-    last = covered[-1]
-    if len(covered) == 1:
-        return f"step {last.step}{' (the first of this pass)' if last.first else ''}"
-    return f"steps {covered[0].step}-{last.step} (the loop ran ahead of them)"
-
-
 def _live(tree: Any) -> Any:
     """The arrays of ``tree`` still alive: a leaf donated to a later step is gone (that step's readiness covers it)."""
     return [x for x in jax.tree_util.tree_leaves(tree) if not (isinstance(x, jax.Array) and x.is_deleted())]
@@ -114,7 +106,7 @@ class Run:
         self._data: dict[str, DataIterator] = {}
         self._window = max(1, host.config.in_flight)
         self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
-        self._unseen: list[_Unconfirmed] = []  # confirmed steps whose result was never waited on (donated ahead)
+        self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
 
     @property
     def epoch(self) -> int:
@@ -202,10 +194,16 @@ class Run:
         its own ``step_timeout_s`` (a loop that ran ahead ten steps is not hung for taking ten steps' time)."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
-            live = _live((u.state, u.metrics))
-            covered = [*self._unseen, u]
-            wait_ready(live, self._devices, timeout_s=self._bound(covered), what=_steps(covered), hint=self._hang_hint)
-            self._unseen = [] if live else covered
+            waitable = _live((u.state, u.metrics))
+            first, earlier = self._unseen or (u.step, 0.0)
+            own = self._host.config.step_wait_s(first=u.first)
+            bound = None if own is None else earlier + own
+            if first == u.step:
+                what = f"step {u.step}{' (the first of this pass)' if u.first else ''}"
+            else:
+                what = f"steps {first}-{u.step} (the loop ran ahead of them)"
+            wait_ready(waitable, self._devices, timeout_s=bound, what=what, hint=self._hang_hint)
+            self._unseen = None if waitable or bound is None else (first, bound)
             self._unconfirmed.popleft()
             self.state = u.state
             live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
@@ -213,13 +211,6 @@ class Run:
                 self._host.committed(self, u.step, u.state, u.batch, u.metrics)
             finally:
                 self.extras = live
-
-    def _bound(self, covered: list[_Unconfirmed]) -> float | None:
-        """The watchdog's bound on a wait that covers these steps: each its own ``step_wait_s``."""
-        config = self._host.config
-        if config.step_timeout_s is None:
-            return None
-        return sum(config.step_wait_s(first=u.first) or 0.0 for u in covered)
 
     def data(self, source: Source, *, name: str = "data") -> DataIterator:
         """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
