@@ -141,9 +141,10 @@ class EventStream:
         at once take one round trip to the GCS, not one each (under load a round trip took 15-30 ms here). Each
         has its own ``seq``, so readers order them whatever order they land in."""
         record, write = self.prepare(kind, **fields)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="event-stream")
-        return record, self._pool.submit(write)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="event-stream")
+            return record, self._pool.submit(write)
 
     def append_behind(self, kind: str, **fields: Any) -> dict[str, Any]:
         """The record, written in order on one writer thread: the caller does not wait for the GCS (a training

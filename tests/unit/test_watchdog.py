@@ -136,8 +136,8 @@ def test_a_lost_slice_is_named_before_the_survivors_answer_their_probes(topo):
     survivors = [d for s in topo.select([0, 2, 3]) for d in s.devices]
     mesh = Mesh(np.array(survivors), ("d",))
 
-    def held(x):
-        token = io_callback(lambda t: (release.wait(), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+    def held(x):  # bounded: a probe that never released it still ends the test
+        token = io_callback(lambda t: (release.wait(30), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
         return jax.lax.optimization_barrier((token, x))[1]
 
     busy = jax.jit(held)(jax.device_put(jnp.ones((6,)), NamedSharding(mesh, P("d"))))
