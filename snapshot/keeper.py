@@ -242,7 +242,8 @@ class KeeperTier:
         self._credential, self._image_key, self._on_refused = credential, image_key, on_refused
         self._keepers: dict[str, Any] = {}  # name -> handle; a keeper that died is removed
         self._cond = threading.Condition()
-        self._pending: HostImage | None = None
+        self._pending: tuple[int, Any] | None = None  # (step, object ref) of the sealed image waiting to be sent
+        self._pushing = threading.Lock()
         self._busy = self._closing = self._none_left = False
         self._thread: threading.Thread | None = None
         self._offered, self._last_sent = 0, cast("int | None", None)
@@ -371,24 +372,32 @@ class KeeperTier:
         return got if isinstance(got, dict) else None
 
     def push(self, image: HostImage) -> bool:
-        """Queue ``image`` for every keeper and return at once; True if it will be sent (see ``every``).
+        """Queue ``image`` for every keeper; True if it will be sent (see ``every``).
 
-        A queued image not yet sent is replaced by a newer push (counted as ``keeper_coalesced``).
+        The image is sealed and copied into Ray's object store before this returns (on one thread: tenths of a
+        second for hundreds of MiB), so the caller may reuse the buffers its pieces view as soon as it does; the
+        calls to the keepers go out on the push thread. A queued image not yet sent is replaced by a newer push
+        (counted as ``keeper_coalesced``).
         """
         if self._thread is None:
             raise RuntimeError("KeeperTier.push before start() or attach()")
-        with self._cond:
-            rollback = self._last_sent is not None and image.step <= self._last_sent
-            self._offered += 1
-            if not rollback and self._last_sent is not None and self._offered < self._every:
-                self._stats["keeper_skipped"] += 1
-                return False
-            self._offered, self._last_sent = 0, image.step
-            if self._pending is not None:
-                self._stats["keeper_coalesced"] += 1
-                log.info("keeper_push_coalesced", replaced=self._pending.step, step=image.step)
-            self._pending = image
-            self._cond.notify_all()
+        with self._pushing:  # one push at a time: images queue in the order they were offered
+            with self._cond:
+                rollback = self._last_sent is not None and image.step <= self._last_sent
+                self._offered += 1
+                if not rollback and self._last_sent is not None and self._offered < self._every:
+                    self._stats["keeper_skipped"] += 1
+                    return False
+                self._offered, self._last_sent = 0, image.step
+            if self._image_key is not None:
+                image = seal(image, self._image_key)
+            ref = ray.put(image)  # once, for all keepers
+            with self._cond:
+                if self._pending is not None:
+                    self._stats["keeper_coalesced"] += 1
+                    log.info("keeper_push_coalesced", replaced=self._pending[0], step=image.step)
+                self._pending = (image.step, ref)
+                self._cond.notify_all()
         return True
 
     def wait(self, timeout: float) -> bool:
@@ -402,34 +411,32 @@ class KeeperTier:
                 self._cond.wait_for(lambda: self._pending is not None or self._closing)
                 if self._closing:
                     return
-                image, self._pending, self._busy = self._pending, None, True
-            assert image is not None  # woken with an image pending
+                pending, self._pending, self._busy = self._pending, None, True
+            assert pending is not None  # woken with an image pending
+            step, ref = pending
             try:
-                self._send(image)
+                self._send(step, ref)
             except Exception as err:  # noqa: BLE001 - the thread must survive; the failure is counted
                 self._count("keeper_push_failures", len(self._keepers))
-                log.warning("keeper_push_failed", step=image.step, error=repr(err))
+                log.warning("keeper_push_failed", step=step, error=repr(err))
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _send(self, image: HostImage) -> None:
+    def _send(self, step: int, ref: Any) -> None:
         calls = dict(self._keepers)
         if not calls:  # keepers are never restarted: this lasts, so say it once
             self._count("keeper_push_failures")
             if not self._none_left:
-                log.warning("keeper_none_left", namespace=self.namespace, step=image.step)
+                log.warning("keeper_none_left", namespace=self.namespace, step=step)
             self._none_left = True
             return
-        if self._image_key is not None:
-            image = seal(image, self._image_key)
-        ref = ray.put(image)  # once, for all keepers
         calls = {name: k.put.remote(ref, token=self._credential) for name, k in calls.items()}
         for name, result in self._collect(calls, self._timeout_s).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
-                log.warning("keeper_push_failed", keeper=name, step=image.step, error=repr(result))
+                log.warning("keeper_push_failed", keeper=name, step=step, error=repr(result))
         self._count("keeper_pushes")
 
     def _count(self, key: str, n: int = 1) -> None:

@@ -1,10 +1,11 @@
 """Sealed images: a MAC under the job's image key over everything an image restores, so that an image altered or
 made by anyone without the key (another job holding the cluster token) is refused, not restored.
 
-The MAC is keyed BLAKE2b over the image's layout (step, generation, each leaf's shape, dtype, key implementation
+The MAC is keyed BLAKE3 over the image's layout (step, generation, each leaf's shape, dtype, key implementation
 and piece regions), the pickled controller state, and every piece's bytes: the per-piece checksums (xxhash) catch
-accidents, not an adversary who recomputes them. Sealing and checking read every byte once (about a GB/s on one
-core here), on the keeper tier's push thread and on the restore from a keeper.
+accidents, not an adversary who recomputes them. Sealing and checking read every byte once, on one thread (BLAKE3:
+4.5 GB/s on one core here, where keyed BLAKE2b did 0.9), when an image is pushed to the keepers and on the restore
+from a keeper. A MAC is tagged with its algorithm: an image sealed by another algorithm is refused, not misread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import pickle
 from typing import Any
 
+import blake3
 import numpy as np
 
 from .image import HostImage
@@ -23,8 +25,11 @@ from .image import HostImage
 __all__ = ["seal", "sealed"]
 
 
+_TAG = "blake3:"
+
+
 def _mac(image: HostImage, key: str) -> str:
-    h = hashlib.blake2b(key=hashlib.sha256(key.encode()).digest(), digest_size=32)
+    h = blake3.blake3(key=hashlib.sha256(key.encode()).digest())  # keyed mode: a 32-byte key, one thread
     layout = {
         "step": image.step,
         "generation": image.generation,
@@ -43,7 +48,7 @@ def _mac(image: HostImage, key: str) -> str:
     for leaf in image.leaves:
         for piece in leaf.pieces:
             h.update(np.ascontiguousarray(piece.data).view(np.uint8).reshape(-1).data)
-    return h.hexdigest()
+    return _TAG + h.hexdigest()
 
 
 def _canonical(value: Any) -> Any:

@@ -102,11 +102,15 @@ class TierSet:
             self._persistent.save(step, state, meta)
 
     def _completed(self, info: SnapshotInfo) -> None:
-        """On the snapshot thread, after each complete generation: feed the keepers every R-th one."""
+        """On the snapshot thread, after each complete generation: feed the keepers every R-th one.
+
+        The image views the generation's own host buffers (no copy): they are not reused before this returns (the
+        next generation is copied on this thread, afterwards), and ``push`` has copied them into the object store
+        by then."""
         self._completed_count += 1
         tier = "memory"
         if self._keepers is not None and self._completed_count % self._config.tiers.keeper_every == 0:
-            self._keepers.push(self._snapshots.image())
+            self._keepers.push(self._snapshots.image(copy=False))
             tier = "keeper"
         self.last_completed = (info.step, tier)
 

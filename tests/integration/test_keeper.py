@@ -151,6 +151,25 @@ def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local):
     assert_no_keepers_left(namespace)
 
 
+def test_a_push_owns_what_it_sends_once_it_returns(ray_local):
+    """The in-memory tier pushes views of its own host buffers and reuses them for the next snapshot: what a
+    keeper holds is the image as it was when ``push`` returned, sealed, whatever the buffers hold afterwards."""
+    namespace = f"keeper-test-owns-{os.getpid()}"
+    tier = KeeperTier(namespace, num_keepers=1, credential="keeper-cred", image_key="image-key").start()
+    try:
+        want = make_image(4)
+        views = make_image(4)  # the same content, in buffers the caller goes on to overwrite
+        assert tier.push(views)
+        for leaf in views.leaves:
+            for piece in leaf.pieces:
+                piece.data[...] = 0  # the next snapshot lands here before the keeper's call went out
+        assert tier.wait(30) and tier.stats()["keeper_pushes"] == 1
+        assert_same(tier.latest(), want)  # latest() refuses an image whose MAC does not check
+    finally:
+        tier.close(kill=True)
+    assert_no_keepers_left(namespace)
+
+
 DRIVER = """
 import os, signal, ray
 from elastic.snapshot.keeper import KeeperTier
