@@ -32,7 +32,10 @@ the later ones find most in the persistent compilation cache, so without the wai
 ``start_seconds`` (entering the job to its first step committed, minus the plain loop's first step, Ray already
 up) and ``close_seconds`` (leaving the job).
 On this 2-core machine the job's Ray processes (supervisor, agents, keepers) share the cores with the "devices":
-part of any ratio above 1 is theirs, not the loop's.
+part of any ratio above 1 is theirs, not the loop's. ``other_processes_cores_*`` is the CPU every other process on
+the machine used during each loop's timed stretch (cores: CPU seconds per second), and ``ratio_*_from_processes``
+the ratio those processes alone explain: the plain loop's process used ``c`` cores, so cycles taken by the job's
+processes (their cores above the plain stretch's) slow it by ``c / (c - extra)`` where the cores are all busy.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import psutil  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from elastic import runtime  # noqa: E402
@@ -60,6 +64,27 @@ from elastic import runtime  # noqa: E402
 BATCH = 48  # rows split over 8 devices
 LAYERS = 4
 OPT = optax.adam(1e-4)
+
+
+def cpu_now() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds of this process, CPU seconds of every other process) now."""
+    me = os.getpid()
+    others = 0.0
+    for proc in psutil.process_iter():
+        if proc.pid != me:
+            try:
+                t = proc.cpu_times()
+                others += t.user + t.system
+            except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
+                pass
+    t = psutil.Process(me).cpu_times()
+    return time.perf_counter(), t.user + t.system, others
+
+
+def cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> dict[str, float]:
+    """Cores used between two ``cpu_now`` readings: by this process and by every other one."""
+    wall = end[0] - start[0]
+    return {"own_cores": (end[1] - start[1]) / wall, "other_cores": (end[2] - start[2]) / wall}
 
 
 def width_for(mib: float) -> int:
@@ -109,12 +134,14 @@ def plain(width: int, steps: int) -> dict[str, float]:
         if k == 1:  # compiled and warm: time the rest as one pipelined stretch
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t0)
+            c1 = cpu_now()
             t1 = time.perf_counter()
         elif k == 0:
             jax.block_until_ready(loss)
             first = time.perf_counter() - t0
     jax.block_until_ready(state)
     return {
+        **cores(c1, cpu_now()),
         "step_seconds": (time.perf_counter() - t1) / (steps - 2),
         "first_step_seconds": first,
         "transfer_seconds": statistics.median(transfers[2:]),
@@ -233,6 +260,10 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
                 job.controller.wait_for_standbys(600)
                 standby["waited"] = time.perf_counter() - t
             stamps[k] = time.perf_counter()
+            if k == 1:
+                cpu["start"] = cpu_now()
+        jax.block_until_ready(state)
+        cpu["end"] = cpu_now()
         return state
 
     config = ElasticConfig(
@@ -245,6 +276,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         policy=Policy(min_slices=2),
     )
     standby = {"waited": 0.0}
+    cpu: dict[str, tuple[float, float, float]] = {}
     t0 = time.perf_counter()
     job = ElasticJob(config, init_fn=init)
     job.__enter__()
@@ -259,6 +291,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     assert result.report.steps_committed == steps
     span = stamps[steps - 1] - stamps[1]
     return {
+        **cores(cpu["start"], cpu["end"]),
         "step_seconds": span / (steps - 2),
         "first_commit_seconds": stamps[0] - t0,
         "standby_compile_seconds": result.report.standby_compile_seconds,
@@ -303,9 +336,15 @@ def main() -> int:
         "ray_start_seconds": round(ray_start, 2),
         "plain_step_seconds": round(plain_step, 4),
     }
+    own = statistics.mean([base["own_cores"], again["own_cores"]])  # what the plain loop's process used
+    idle = statistics.mean([base["other_cores"], again["other_cores"]])  # the rest of the machine meanwhile
+    out["other_processes_cores_plain"] = round(idle, 3)
     for name, r in runs.items():
         out[f"step_seconds_{name}"] = round(r["step_seconds"], 4)
         out[f"ratio_{name}"] = round(r["step_seconds"] / plain_step, 3)
+        out[f"other_processes_cores_{name}"] = round(r["other_cores"], 3)
+        extra = max(0.0, r["other_cores"] - idle)
+        out[f"ratio_{name}_from_processes"] = round(own / (own - extra), 3)
     out["start_seconds"] = round(runs["every10"]["first_commit_seconds"] - base["first_step_seconds"], 2)
     out["close_seconds"] = round(runs["every10"]["close_seconds"], 2)
     # once per job (and per view change), in the background: before the timed stretch, reported apart

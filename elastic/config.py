@@ -28,7 +28,8 @@ class Tiers:
        still waits to be copied
        replaces it (``on_busy="coalesce"``, counted) or waits for it (``"wait"``).
     2. Keepers: every ``keeper_every``-th snapshot is copied to ``keepers`` keeper actors on other Ray
-       nodes (survives the client process and any one node; 0 turns the tier off).
+       nodes (survives the client process and any one node; 0 turns the tier off). One keeper per node: fewer
+       where the cluster has fewer nodes besides the client's, one on a one-node cluster (``keepers_capped``).
     3. Persistent: an Orbax checkpoint every ``persistent_every`` steps under ``persistent_dir`` (a
        directory or bucket path; survives the whole cluster; None turns the tier off).
     """

@@ -31,7 +31,7 @@ from .errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureEr
 from .image import HostImage, Index, assemble
 from .seal import seal, sealed
 
-__all__ = ["Keeper", "KeeperTier"]
+__all__ = ["Keeper", "KeeperTier", "keepers_for"]
 
 log = structlog.get_logger("snapshot.keeper")
 
@@ -203,6 +203,15 @@ def _covers(images: Any) -> bool:
         if volume != int(np.prod(leaf.shape, dtype=np.int64)):
             return False
     return True
+
+
+def keepers_for(wanted: int, avoid_node: str | None = None) -> int:
+    """How many keepers a job should run: ``wanted``, at most one per alive node other than ``avoid_node`` (the
+    client's, by default), and one where there is no other node. Two keepers on one node hold the same bytes in
+    the same memory and survive the same faults: the second costs a copy per push and its memory for nothing."""
+    avoid = avoid_node or ray.get_runtime_context().get_node_id()
+    others = {node["NodeID"] for node in ray.nodes() if node.get("Alive") and node.get("Resources")} - {avoid}
+    return max(1, min(wanted, len(others)))
 
 
 def _placements(n: int, avoid_node: str) -> list[str]:

@@ -36,6 +36,14 @@ from elastic.snapshot import (
 
 __all__ = ["TierSet"]
 
+
+def keeper_count(wanted: int, fit: int, log: Any) -> int:
+    """``fit`` (see ``keepers_for``), noting when it is fewer than ``tiers.keepers`` asked for."""
+    if fit < wanted:
+        log.info("keepers_capped", keepers=wanted, started=fit, why="one keeper per node other than the client's")
+    return fit
+
+
 WAIT_S = 120.0  # bound on waiting for an in-flight snapshot or a keeper answer
 
 
@@ -69,12 +77,12 @@ class TierSet:
         timeline event, and restore goes on to the next keeper or tier)."""
         tiers = self._config.tiers
         if tiers.keeper_every and self._keepers is None:
-            from elastic.snapshot.keeper import KeeperTier
+            from elastic.snapshot.keeper import KeeperTier, keepers_for
             from elastic.supervision.credential import derive
 
             self._keepers = KeeperTier(
                 self._config.namespace,
-                num_keepers=tiers.keepers,
+                num_keepers=keeper_count(tiers.keepers, keepers_for(tiers.keepers), self._log),
                 keep=1,
                 credential=None if token is None else derive(token, "keeper"),
                 image_key=None if token is None else derive(token, "image"),

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
-from elastic.snapshot.keeper import Keeper, KeeperTier, _private_copy
+from elastic.snapshot.keeper import Keeper, KeeperTier, _private_copy, keepers_for
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +113,7 @@ def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local):
     try:
         here = ray.get_runtime_context().get_node_id()
         assert set(tier.nodes().values()) == {here}  # a one-node cluster: the keepers fall back to the client's node
+        assert keepers_for(2) == 1  # ... where a job starts one (two would hold the same bytes in the same memory)
         first = make_image(5)
         assert tier.push(first) and tier.wait(30)
         assert_same(tier.latest(), first)
@@ -230,6 +231,7 @@ def test_keepers_live_on_other_nodes_and_survive_losing_one():
         hosts = [cluster.add_node(num_cpus=1, wait=False) for _ in range(2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
+        assert (keepers_for(2), keepers_for(3), keepers_for(1)) == (2, 2, 1)  # one per node besides the client's
         tier = KeeperTier(namespace, num_keepers=2).start()
         nodes = tier.nodes()
         assert sorted(nodes.values()) == sorted(h.node_id for h in hosts), nodes  # not the head, one per node

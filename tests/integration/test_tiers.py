@@ -88,10 +88,12 @@ def test_two_slices_lost_at_once_fall_back_to_the_keepers(ray_local):
     job, loop = ledger_job("tier-two-lost", faults, tiers=Tiers(copies=2, keeper_every=1))
     with job:
         result = job.run(loop)
+        keepers = len(job._tiers._keepers.handles())  # noqa: SLF001 - how many the job started
     assert_exactly_once(result)
     tiers = [r["tier"] for r in result.report.restores]
     assert tiers == ["keeper"], result.report.restores
     assert result.report.min_slices_seen == 2
+    assert keepers == 1  # tiers.keepers=2, but a one-node cluster: one keeper
 
 
 def test_two_slices_lost_without_another_tier_is_a_clear_error(ray_local):
