@@ -517,7 +517,7 @@ class KeeperTier:
         """Stop pushing; ``kill`` ends the keepers (normal end of job), otherwise they stay for a new client."""
         with self._cond:
             if self._pending is not None:  # the caller did not wait(): say what is lost
-                log.warning("keeper_push_abandoned", step=self._pending.step)
+                log.warning("keeper_push_abandoned", step=self._pending[0])
             self._closing = True
             self._cond.notify_all()
         if self._thread is not None:
