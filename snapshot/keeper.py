@@ -227,7 +227,8 @@ def _placements(n: int, avoid_node: str) -> list[str]:
 class KeeperTier:
     """The client side of a job's keepers (detached actors ``keeper-0..N-1`` in ``namespace``).
 
-    ``push`` never blocks the caller; every Ray wait is bounded by ``timeout_s`` (or the caller's).
+    ``push`` holds the caller only to seal the image and put it into the object store, never for a keeper's
+    answer; every Ray wait is bounded by ``timeout_s`` (or the caller's).
     ``every``: one image in ``every`` pushed is sent (a rollback, a step at or below the last sent, always is).
     """
 
@@ -398,9 +399,14 @@ class KeeperTier:
                     self._stats["keeper_skipped"] += 1
                     return False
                 self._offered, self._last_sent = 0, image.step
-            if self._image_key is not None:
-                image = seal(image, self._image_key)
-            ref = ray.put(image)  # once, for all keepers
+            try:
+                if self._image_key is not None:
+                    image = seal(image, self._image_key)
+                ref = ray.put(image)  # once, for all keepers
+            except Exception as err:  # noqa: BLE001 - a full object store: counted, the next push tries again
+                self._count("keeper_push_failures", max(1, len(self._keepers)))
+                log.warning("keeper_push_failed", step=image.step, error=repr(err))
+                return False
             with self._cond:
                 if self._pending is not None:
                     self._stats["keeper_coalesced"] += 1

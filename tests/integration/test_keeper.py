@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def test_a_push_owns_what_it_sends_once_it_returns(ray_local):
                 piece.data[...] = 0  # the next snapshot lands here before the keeper's call went out
         assert tier.wait(30) and tier.stats()["keeper_pushes"] == 1
         assert_same(tier.latest(), want)  # latest() refuses an image whose MAC does not check
+        bad = dataclasses.replace(make_image(5), meta={"step": 5, "lock": threading.Lock()})  # cannot be pickled
+        assert not tier.push(bad) and tier.stats()["keeper_push_failures"] == 1  # counted, not raised
         for step in (5, 6, 7):  # faster than they are sent: a push is left pending when the tier closes
             tier.push(make_image(step))
     finally:
