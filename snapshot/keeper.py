@@ -205,22 +205,29 @@ def _covers(images: Any) -> bool:
     return True
 
 
-def keepers_for(wanted: int, avoid_node: str | None = None) -> int:
-    """How many keepers a job should run: ``wanted``, at most one per alive node other than ``avoid_node`` (the
-    client's, by default), and one where there is no other node. Two keepers on one node hold the same bytes in
-    the same memory and survive the same faults: the second costs a copy per push and its memory for nothing."""
-    avoid = avoid_node or ray.get_runtime_context().get_node_id()
-    others = {node["NodeID"] for node in ray.nodes() if node.get("Alive") and node.get("Resources")} - {avoid}
-    return max(1, min(wanted, len(others)))
-
-
-def _placements(n: int, avoid_node: str) -> list[str]:
-    """Node ids for ``n`` keepers: spread over alive nodes other than ``avoid_node``, else on it."""
-    others = sorted(
+def _other_nodes(avoid_node: str) -> list[str]:
+    """Alive nodes that can host an actor, other than ``avoid_node``."""
+    return sorted(
         node["NodeID"]
         for node in ray.nodes()
         if node.get("Alive") and node.get("Resources") and node["NodeID"] != avoid_node
     )
+
+
+def keepers_for(wanted: int, avoid_node: str | None = None) -> int:
+    """How many keepers a job should run: ``wanted``, at most one per alive node other than ``avoid_node`` (the
+    client's, by default), and one where there is no other node (logged as ``keepers_capped``). Two keepers on one
+    node hold the same bytes in the same memory and survive the same faults: the second costs a copy per push and
+    its memory for nothing."""
+    fit = max(1, min(wanted, len(_other_nodes(avoid_node or ray.get_runtime_context().get_node_id()))))
+    if fit < wanted:
+        log.info("keepers_capped", keepers=wanted, started=fit, why="one keeper per node other than the client's")
+    return fit
+
+
+def _placements(n: int, avoid_node: str) -> list[str]:
+    """Node ids for ``n`` keepers: spread over alive nodes other than ``avoid_node``, else on it."""
+    others = _other_nodes(avoid_node)
     return [others[i % len(others)] for i in range(n)] if others else [avoid_node] * n
 
 

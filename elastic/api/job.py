@@ -236,16 +236,14 @@ class ElasticJob:
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
-                from elastic.control.tiers import keeper_count
                 from elastic.snapshot.keeper import KeeperTier, keepers_for
 
                 keeper = derive(token, "keeper")
-                wanted = self.config.tiers.keepers
                 self._keepers = (
                     KeeperTier.attach(self.config.namespace, credential=keeper)
                     or KeeperTier(
                         self.config.namespace,
-                        num_keepers=keeper_count(wanted, keepers_for(wanted), self._log),
+                        num_keepers=keepers_for(self.config.tiers.keepers),
                         keep=1,
                         credential=keeper,
                     ).start()

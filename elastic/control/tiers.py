@@ -37,13 +37,6 @@ from elastic.snapshot import (
 __all__ = ["TierSet"]
 
 
-def keeper_count(wanted: int, fit: int, log: Any) -> int:
-    """``fit`` (see ``keepers_for``), noting when it is fewer than ``tiers.keepers`` asked for."""
-    if fit < wanted:
-        log.info("keepers_capped", keepers=wanted, started=fit, why="one keeper per node other than the client's")
-    return fit
-
-
 WAIT_S = 120.0  # bound on waiting for an in-flight snapshot or a keeper answer
 
 
@@ -82,7 +75,7 @@ class TierSet:
 
             self._keepers = KeeperTier(
                 self._config.namespace,
-                num_keepers=keeper_count(tiers.keepers, keepers_for(tiers.keepers), self._log),
+                num_keepers=keepers_for(tiers.keepers),
                 keep=1,
                 credential=None if token is None else derive(token, "keeper"),
                 image_key=None if token is None else derive(token, "image"),
@@ -118,8 +111,8 @@ class TierSet:
         self._completed_count += 1
         tier = "memory"
         if self._keepers is not None and self._completed_count % self._config.tiers.keeper_every == 0:
-            self._keepers.push(self._snapshots.image(copy=False))
-            tier = "keeper"
+            if self._keepers.push(self._snapshots.image(copy=False)):
+                tier = "keeper"
         self.last_completed = (info.step, tier)
 
     def snapshot_stats(self) -> dict[str, Any]:
