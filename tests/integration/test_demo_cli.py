@@ -85,7 +85,10 @@ def test_demo_json_verify(tmp_path):
     assert "lost slice(s) 1" in decisions[1]["reason"] and "back" in decisions[2]["reason"], decisions
     assert len(recovered) == 1 and recovered[0]["wall"] > decisions[1]["wall"] > failure[0]["wall"] - 5
     lost = [r for r in records if r["kind"] == "health" and not r["healthy"]]
-    assert lost and lost[0]["slice"] == 1 and "agent died" in lost[0]["cause"], lost
+    # named by whichever sees it first: Ray's death notice of the slice's agent, or the client's report of the slice
+    # its probe found dead at dispatch (sent before the survivors answer)
+    assert lost and lost[0]["slice"] == 1, lost
+    assert "agent died" in lost[0]["cause"] or "client report" in lost[0]["cause"], lost
     status = json.loads(cli("status", "--json", env=env).stdout)
     assert status["state"] == "finished" and status["slices"] == [0, 1, 2, 3] and status["step"] == 59
     assert status["recoveries"] == 1 and status["epoch"] == 3
