@@ -126,6 +126,8 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
     decisions = [r["decision"] for r in records if r["kind"] == "view"]
     assert decisions == ["Grow", "Shrink"] + ["Shrink"] * second, decisions
     lost = [r for r in records if r["kind"] == "health" and not r["healthy"]]
-    assert lost and lost[0]["slice"] == 2 and "agent died" in lost[0]["cause"], lost  # the worker was its agent
+    # the worker was its agent: Ray's death notice of it, or the client's loss report when that arrives first
+    assert lost and lost[0]["slice"] == 2, lost
+    assert "agent died" in lost[0]["cause"] or "client report" in lost[0]["cause"], lost
     assert report["recoveries"] == 1 + second
     assert box["result"].report.steps_committed == 30
