@@ -267,15 +267,19 @@ def outcome(run: RunRecord) -> PromiseResult:
 def nothing_lost(run: RunRecord) -> PromiseResult:
     """Promise 5: nothing saved is lost or overwritten: a finished run's newest snapshot holds its last step,
     every snapshot asked for is accounted for, and the newest snapshot is no older than any restore point
-    (after a give-up: no older than the snapshot boundary before the last one reached)."""
+    (after a give-up: no older than the snapshot boundary before the last one reached; the last one's copy
+    may still have been in flight when the slices died, so a run that gave up before its second boundary
+    need hold no snapshot at all)."""
     latest, problems = run.latest_snapshot_step, []
     restored = max((int(r.get("step", 0)) for r in run.restores), default=0)
     reached = max(run.executed, default=-1) + 1
-    floor = max(0, (reached // run.snapshot_every - 1) * run.snapshot_every)
+    before_last = reached // run.snapshot_every - 1  # the boundary before the last one reached, if any
+    floor = max(0, before_last * run.snapshot_every)
     if run.outcome == "hang":
         return PromiseResult(promise="nothing_lost", status="n/a", detail="the run did not end")
     if latest is None:
-        problems.append("no snapshot at the end of the run")
+        if run.outcome == "finished" or run.restores or before_last >= 0:
+            problems.append("no snapshot at the end of the run")
     elif run.outcome == "finished" and latest != run.num_steps:
         problems.append(f"the newest snapshot holds step {latest}, not the last step {run.num_steps}")
     elif latest < max(restored, 0 if run.outcome == "finished" else floor):
@@ -288,7 +292,9 @@ def nothing_lost(run: RunRecord) -> PromiseResult:
     return _result(
         "nothing_lost",
         problems,
-        f"the newest snapshot holds step {latest}; none dropped uncounted",
+        f"the newest snapshot holds step {latest}; none dropped uncounted"
+        if latest is not None
+        else "no snapshot held: the run ended before its second snapshot boundary; none dropped uncounted",
         {
             "latest_snapshot_step": latest,
             "restore_points_max": restored,

@@ -186,3 +186,23 @@ def test_a_lost_or_dropped_snapshot_breaks_nothing_lost():
     )
     assert "older than" in failed(gave_up)["nothing_lost"]  # 17 steps reached: the snapshot at 10 must remain
     assert check(replace(gave_up, latest_snapshot_step=10), REFERENCE).ok
+
+
+def test_a_give_up_before_the_second_boundary_may_hold_no_snapshot():
+    """Every slice died at step 2 (snapshots every 5): the first snapshot's copy may still have been in flight,
+    so none need remain; from the second boundary on, the one before it must."""
+    early = record(
+        outcome="gave_up",
+        expect="give_up",
+        state=None,
+        executed=(0, 1),
+        recomputed=0,
+        restores=(),
+        steps=(0, 1),
+        batches=(0, 1),
+        latest_snapshot_step=None,
+    )
+    assert check(early, REFERENCE).ok
+    later = replace(early, executed=tuple(range(6)), steps=tuple(range(6)), batches=tuple(range(6)))
+    assert "no snapshot at the end" in failed(later)["nothing_lost"]  # 6 steps reached: the snapshot at 0 must remain
+    assert "no snapshot at the end" in failed(replace(early, outcome="finished", expect="finish"))["nothing_lost"]
