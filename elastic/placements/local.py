@@ -84,7 +84,9 @@ class LocalPlacement:
             state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
             self._prepared = (view, mesh, state, moving.next_step, moving.extras)
             return Placed(how="moved", step=moving.next_step)
-        restored = self._tiers.restore(shardings, devices, epoch=view.epoch)
+        # Guarded like any transfer onto the view's devices: a view that is already stale (a slice in it lost too)
+        # fails like a lost slice and is recovered from, not taken for tiers that cannot restore.
+        restored = runtime.guarded(self._tiers.restore, devices)(shardings, devices, epoch=view.epoch)
         if restored is None:
             if self._initial_state is not None:
                 state = runtime.guarded(self._initial_state, devices)(shardings)

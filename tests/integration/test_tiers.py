@@ -101,3 +101,28 @@ def test_two_slices_lost_without_another_tier_is_a_clear_error(ray_local):
     job, loop = ledger_job("tier-two-lost-alone", faults, tiers=Tiers(copies=2, keeper_every=0))
     with job, pytest.raises(ElasticError, match="no tier can restore the state"):
         job.run(loop)
+
+
+def test_a_restore_onto_slices_lost_meanwhile_is_a_slice_loss(ray_local):
+    """The view a restore targets may be stale already (every slice killed at once: the supervisor shrank to two
+    that died as well). Placing onto them must fail like a lost slice, which the job recovers from or gives up on,
+    not raise the tiers' "no tier can restore" error (the chaos suite's every_slice once ended so under load)."""
+    from elastic import runtime
+    from elastic.supervision.membership import View
+
+    job, _ = ledger_job("tier-stale-view", tiers=Tiers(copies=2, keeper_every=0))
+    with job:
+        placement = job._new_placement()  # noqa: SLF001 - the placement a run would use
+        try:
+            placement.prepare(View(epoch=1, active=frozenset(range(4))), live=False, during=lambda *a: None)
+            state = placement._prepared[2]  # noqa: SLF001 - the fresh state at step 0
+            job._tiers.save(0, state, {"extras": {}})  # noqa: SLF001
+            assert job.latest_snapshot().step == 0
+            for s in job.topology.slices:
+                runtime.simulated.kill_slice(s)
+            with pytest.raises(Exception) as caught:
+                placement.prepare(View(epoch=2, active=frozenset({2, 3})), live=False, during=lambda *a: None)
+            assert runtime.classify_failure(caught.value) is runtime.FailureKind.SLICE_LOSS, caught.value
+        finally:
+            runtime.simulated.reset()
+            placement.close()
