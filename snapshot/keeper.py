@@ -258,6 +258,7 @@ class KeeperTier:
         self._avoid_node, self._timeout_s = avoid_node, timeout_s
         self._credential, self._image_key, self._on_refused = credential, image_key, on_refused
         self._keepers: dict[str, Any] = {}  # name -> handle; a keeper that died is removed
+        self._asked: list[str] = []  # the nodes start() placed keepers on (ready() reports against them)
         self._cond = threading.Condition()
         self._pending: tuple[int, Any] | None = None  # (step, object ref) of the sealed image waiting to be sent
         self._pushing = threading.Lock()
@@ -271,10 +272,12 @@ class KeeperTier:
             "keeper_skipped": 0,
         }
 
-    def start(self) -> KeeperTier:
+    def start(self, *, wait: bool = True) -> KeeperTier:
         """Get or create the keepers, on other nodes than ``avoid_node`` where the cluster has any.
 
-        Keepers that exist already are reused as they are (their ``keep`` included).
+        Keepers that exist already are reused as they are (their ``keep`` included). ``wait=False`` returns
+        once they are asked for, so that their processes start while the caller does other work; then
+        :meth:`ready` must be called before any other method.
 
         Placement is a hard node affinity: Ray 2.60's soft affinity was seen to ignore the node it was
         given (two keepers on one node) even with both nodes alive. Raises if no keeper comes up.
@@ -293,6 +296,12 @@ class KeeperTier:
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(self._keep, access)
+        self._asked = nodes
+        return self.ready() if wait else self
+
+    def ready(self) -> KeeperTier:
+        """Wait until the keepers asked for by ``start`` answer; raises if none does within the start timeout."""
+        nodes = self._asked
         where = self.nodes(self._timeout_s)  # waits until placed; a keeper whose node died is forgotten
         log.info("keepers_started", namespace=self.namespace, nodes=where)
         if len(where) < len(nodes):

@@ -248,10 +248,14 @@ class ElasticJob:
                         credential=keeper,
                     ).start()
                 )
-            self._group.launch()
-            if self._tiers is not None:
-                self._tiers.on_event = self._acct.timeline.add
-                self._tiers.start(token=self._group.token)
+            tiers = self._tiers
+            if tiers is not None:  # the keepers' processes start while the agents do (only once the job is ours)
+                tiers.on_event = self._acct.timeline.add
+                group = self._group
+                group.launch(owned=lambda: tiers.start(token=group.token, wait=False))
+                tiers.ready()
+            else:
+                self._group.launch()
         except BaseException:
             self.close()
             raise

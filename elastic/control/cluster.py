@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -228,8 +229,9 @@ class ActorGroup:
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
         self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
 
-    def launch(self) -> None:
-        """Start the supervisor and every agent; return once all registered and judging began."""
+    def launch(self, *, owned: Callable[[], None] | None = None) -> None:
+        """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
+        once the job's supervisor is this client's (created or taken over), while the agents start."""
         cfg = self._config
         try:
             existing = ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
@@ -249,6 +251,8 @@ class ActorGroup:
         write_token(cfg.job_name, self.token)
         for index in range(cfg.num_slices):
             self.spawn_agent(index, wait=False)
+        if owned is not None:
+            owned()
         deadline = time.monotonic() + cfg.startup_timeout_s
         pending = [self._agents[i].start.remote() for i in sorted(self._agents)]
         ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)

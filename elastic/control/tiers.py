@@ -62,12 +62,14 @@ class TierSet:
         self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.control.tiers", job=config.job_name)
         self.on_event: Any = None  # timeline.add, once the job has one: refusals become events of its stream
+        self._keepers_ready = True  # False from start(wait=False) until ready()
 
-    def start(self, *, token: str | None = None) -> None:
+    def start(self, *, token: str | None = None, wait: bool = True) -> None:
         """Attach (or create) the keepers and the persistent tier; needs a Ray connection. ``token``: the job's
         credential; its keepers then answer only calls carrying the keeper credential derived from it, and the
         images pushed to them are sealed under the image key (a refused image is a ``keeper_image_refused``
-        timeline event, and restore goes on to the next keeper or tier)."""
+        timeline event, and restore goes on to the next keeper or tier). ``wait=False``: the keepers' processes
+        start while the caller goes on; :meth:`ready` waits for them."""
         tiers = self._config.tiers
         if tiers.keeper_every and self._keepers is None:
             from elastic.snapshot.keeper import KeeperTier, keepers_for
@@ -81,13 +83,22 @@ class TierSet:
                 image_key=None if token is None else derive(token, "image"),
                 on_refused=self._refused,
             )
-            self._keepers.start()
+            self._keepers.start(wait=False)
+            self._keepers_ready = False
+            if wait:
+                self.ready()
         if tiers.persistent_dir is not None and self._persistent is None:
             from elastic.snapshot.persistent import PersistentTier
 
             self._persistent = PersistentTier(
                 tiers.persistent_dir, every=tiers.persistent_every, job=self._config.job_name
             )
+
+    def ready(self) -> None:
+        """Until the keepers that ``start`` asked for answer (raises if none does)."""
+        if self._keepers is not None and not self._keepers_ready:
+            self._keepers.ready()
+            self._keepers_ready = True
 
     def _refused(self, keeper: str, step: int, why: str) -> None:
         self._log.warning("keeper_image_refused", keeper=keeper, step=step, why=why)
