@@ -300,7 +300,10 @@ class KeeperTier:
         return self.ready() if wait else self
 
     def ready(self) -> KeeperTier:
-        """Wait until the keepers asked for by ``start`` answer; raises if none does within the start timeout."""
+        """Wait until the keepers asked for by ``start`` answer; raises if none does within the start timeout.
+        A tier already running (waited for, or attached) returns at once."""
+        if self._thread is not None:
+            return self
         nodes = self._asked
         where = self.nodes(self._timeout_s)  # waits until placed; a keeper whose node died is forgotten
         log.info("keepers_started", namespace=self.namespace, nodes=where)

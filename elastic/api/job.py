@@ -235,27 +235,13 @@ class ElasticJob:
             agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec(token))
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
-            if self._multi and self.config.tiers.keeper_every:  # before the workers, which attach to them
-                from elastic.snapshot.keeper import KeeperTier, keepers_for
-
-                keeper = derive(token, "keeper")
-                self._keepers = (
-                    KeeperTier.attach(self.config.namespace, credential=keeper)
-                    or KeeperTier(
-                        self.config.namespace,
-                        num_keepers=keepers_for(self.config.tiers.keepers),
-                        keep=1,
-                        credential=keeper,
-                    ).start()
-                )
-            tiers = self._tiers
-            if tiers is not None:  # the keepers' processes start while the agents do (only once the job is ours)
-                tiers.on_event = self._acct.timeline.add
-                group = self._group
-                group.launch(owned=lambda: tiers.start(token=group.token, wait=False))
-                tiers.ready()
-            else:
-                self._group.launch()
+            # The keepers' processes start while the agents do, and only once the job is this client's: a client
+            # refused at launch never touches (nor, closing, kills) another client's keepers.
+            self._group.launch(owned=self._start_keepers)
+            if self._tiers is not None:
+                self._tiers.ready()
+            if self._keepers is not None:
+                self._keepers.ready()
         except BaseException:
             self.close()
             raise
@@ -268,6 +254,21 @@ class ElasticJob:
             self._group.supervisor, View(), job=self.config.job_name, lost_after_s=supervisor_lost_after_s(self.config)
         )
         return self
+
+    def _start_keepers(self) -> None:
+        """Ask for the job's keepers (and persistent tier) without waiting for them: single-process mode's through
+        its tiers, multi-process mode's attached (a taken-over job's) or created for the workers to push to."""
+        assert self._group is not None
+        if self._tiers is not None:
+            self._tiers.on_event = self._acct.timeline.add
+            self._tiers.start(token=self._group.token, wait=False)
+        elif self.config.tiers.keeper_every:
+            from elastic.snapshot.keeper import KeeperTier, keepers_for
+
+            keeper = derive(self._group.token, "keeper")
+            self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(
+                self.config.namespace, num_keepers=keepers_for(self.config.tiers.keepers), keep=1, credential=keeper
+            ).start(wait=False)
 
     def _snapshot_stats(self) -> dict[str, Any]:
         if self._tiers is not None:

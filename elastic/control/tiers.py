@@ -62,7 +62,6 @@ class TierSet:
         self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.control.tiers", job=config.job_name)
         self.on_event: Any = None  # timeline.add, once the job has one: refusals become events of its stream
-        self._keepers_ready = True  # False from start(wait=False) until ready()
 
     def start(self, *, token: str | None = None, wait: bool = True) -> None:
         """Attach (or create) the keepers and the persistent tier; needs a Ray connection. ``token``: the job's
@@ -83,10 +82,7 @@ class TierSet:
                 image_key=None if token is None else derive(token, "image"),
                 on_refused=self._refused,
             )
-            self._keepers.start(wait=False)
-            self._keepers_ready = False
-            if wait:
-                self.ready()
+            self._keepers.start(wait=wait)
         if tiers.persistent_dir is not None and self._persistent is None:
             from elastic.snapshot.persistent import PersistentTier
 
@@ -96,9 +92,8 @@ class TierSet:
 
     def ready(self) -> None:
         """Until the keepers that ``start`` asked for answer (raises if none does)."""
-        if self._keepers is not None and not self._keepers_ready:
+        if self._keepers is not None:
             self._keepers.ready()
-            self._keepers_ready = True
 
     def _refused(self, keeper: str, step: int, why: str) -> None:
         self._log.warning("keeper_image_refused", keeper=keeper, step=step, why=why)
