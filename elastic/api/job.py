@@ -310,11 +310,12 @@ class ElasticJob:
             self._watcher = None
         if self._client_events is not None:
             self._client_events.flush()
+        ours = self._group is None or self._group.owns_job  # a client refused at launch leaves the job alone
         if self._group is not None:
             self._group.shutdown()
             self._record()
             self._group = None
-        if self.config.simulated and not self._multi:
+        if self.config.simulated and not self._multi and ours:
             for s in self.topology.slices:
                 runtime.simulated.revive_slice(s)
         if self._ray_started:

@@ -228,6 +228,7 @@ class ActorGroup:
         self._for_agents: Any = None  # the same actor, for the agents: their credential registers and beats only
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
         self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
+        self.owns_job = False  # True once launch created (or took over) the job's supervisor
 
     def launch(self, *, owned: Callable[[], None] | None = None) -> None:
         """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
@@ -239,6 +240,7 @@ class ActorGroup:
             pass
         else:
             self._take_over(existing)
+        self.owns_job = True
         self.run = self.run or events.new_run(cfg.job_name, key=self.stream_key)
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
@@ -501,11 +503,13 @@ class ActorGroup:
 
         The supervisor is closed first: the agents' deaths that follow are neither judged nor written to the
         stream. The respawner stops first; every ``agent-*`` actor of the namespace is killed last, whoever
-        started it.
+        started it. A group whose launch was refused (the job is another live client's) touches nothing.
         """
         self._stop.set()
         if self._respawner is not None:
             self._respawner.join(timeout=30)
+        if not self.owns_job:
+            return
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
                 _close_supervisor(self.supervisor.handle, self._config.job_name, self.token)

@@ -13,11 +13,12 @@ import threading
 import time
 import uuid
 
+import jax.numpy as jnp
 import pytest
 import ray
 from ray.experimental import internal_kv as kv
 
-from elastic import AccessError
+from elastic import AccessError, ElasticJob, Processes, Tiers
 from elastic.cli import main
 from elastic.control.cluster import ActorGroup, cleanup, read_token, token_path
 from elastic.ops.runs import open_run
@@ -299,3 +300,49 @@ def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
         if proc.poll() is None:
             proc.kill()
         events.delete(job)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["single-process", "multi-process"])
+def test_a_client_refused_at_launch_leaves_the_jobs_actors_alone(ray_local, monkeypatch, multi):
+    """A second client of a running job that holds a wrong credential is refused at once, and closing it kills
+    none of the job's actors (keepers, agents, supervisor): the job goes on with them, no slice lost."""
+    name = f"iso-refused-{'mp' if multi else 'sp'}-{uuid.uuid4().hex[:6]}"
+    cfg = config(
+        name,
+        num_slices=2,
+        num_steps=6,
+        snapshot_every=2,
+        tiers=Tiers(keeper_every=1, keepers=1),
+        processes=Processes(replace_lost=False, standby=False) if multi else None,
+    )
+
+    def actors() -> list[tuple[str, str]]:  # the job's keepers, agents and supervisor
+        return sorted(
+            (e["name"], e["namespace"])
+            for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == cfg.namespace
+        )
+
+    def init(key):
+        return {"w": jnp.zeros((8,), jnp.float32)}
+
+    def loop(run):
+        state = run.state
+        step = run.guard(lambda state: {"w": state["w"] + 1.0})
+        for _ in run.steps:
+            state = step(state)
+            run.commit(state)
+        return state
+
+    with ElasticJob(cfg, init_fn=init) as job:
+        before = actors()
+        assert any(n.startswith("keeper-") for n, _ in before), f"the job started no keeper: {before}"
+        monkeypatch.setenv("ELASTIC_TOKEN", "not-this-jobs-token")
+        with pytest.raises(AccessError, match="refused"), ElasticJob(cfg, init_fn=init):
+            pass
+        monkeypatch.delenv("ELASTIC_TOKEN")
+        assert actors() == before
+        for name_, namespace in before:
+            assert ray.get(ray.get_actor(name_, namespace=namespace).__ray_ready__.remote(), timeout=30)
+        result = job.run(loop)
+    assert result.report.steps_committed == cfg.num_steps and result.report.recoveries == 0
