@@ -159,7 +159,8 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
-    from elastic.control.cluster import cleanup, connect
+    from elastic.control.cluster import connect
+    from elastic.control.teardown import cleanup
 
     connect()
     killed = cleanup(args.job, purge_events=args.purge_events, token=args.token)

@@ -24,12 +24,13 @@ from elastic.api.run import Run
 from elastic.api.shardings import check_splits, replicate_all, state_shardings
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup, connect, job_token
+from elastic.control.cluster import ActorGroup, connect
 from elastic.control.controller import Controller, JobResult, StepCallback
 from elastic.control.job_events import ClientEvents
 from elastic.control.metrics import JobMetrics
 from elastic.control.report import Ledger, Report, Timeline
 from elastic.control.tiers import TierSet
+from elastic.control.tokens import job_token
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
 from elastic.errors import ConfigError, ElasticError
 from elastic.log import configure_logging, get_logger

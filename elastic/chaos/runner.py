@@ -32,7 +32,8 @@ from elastic.chaos.replay import replay, trail_schedule
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.chaos.seams import Seams
 from elastic.config import ElasticConfig
-from elastic.control.cluster import cleanup, connect
+from elastic.control.cluster import connect
+from elastic.control.teardown import cleanup
 from elastic.errors import ConfigError, ElasticError, GiveUpError, SupervisorLostError
 from elastic.log import get_logger
 from elastic.snapshot import NoSnapshotError

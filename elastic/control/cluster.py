@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import ray
@@ -25,25 +24,16 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from elastic import quiet
 from elastic.config import ElasticConfig
-from elastic.control.private import elastic_home, write_private
-from elastic.errors import AccessError, ElasticError, SupervisorError
+from elastic.control.teardown import cleanup, close_supervisor, kill_actor, sweep_agents
+from elastic.control.tokens import find_token, job_token, remove_token, write_token
+from elastic.errors import AccessError, SupervisorError
 from elastic.log import get_logger
 from elastic.supervision import credential, events
 from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = [
-    "ActorGroup",
-    "AgentFactory",
-    "SliceAgents",
-    "cleanup",
-    "connect",
-    "find_token",
-    "job_token",
-    "read_token",
-    "token_path",
-]
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -91,87 +81,6 @@ def _start_reaper(session_dir: str) -> None:
 
 
 CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
-
-
-def cleanup(
-    job_name: str, *, keep_keepers: bool = False, purge_events: bool = False, token: str | None = None
-) -> list[str]:
-    """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
-
-    The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
-    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
-    supervisor is closed first, so it writes no event about the agents' deaths. ``purge_events``: also
-    delete the job's event stream (every run). Returns the names of the actors killed.
-
-    Only with the job's credential (``token``, else :func:`find_token`): a live supervisor must accept it (its
-    refusal is an event in its stream), and without one the job's stream must verify under it; otherwise
-    :class:`~elastic.errors.AccessError` and nothing is touched.
-    """
-    token = find_token(job_name, token)
-    namespace = ElasticConfig(job_name=job_name).namespace
-    names = [
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))
-    ]
-    _authorize_cleanup(job_name, namespace, token, names, purge_events)
-    killed = []
-    for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
-        try:
-            actor = ray.get_actor(name, namespace=namespace)
-        except ValueError:  # gone meanwhile
-            continue
-        if name == SUPERVISOR_NAME:
-            _close_supervisor(actor, job_name, token)
-        ray.kill(actor, no_restart=True)
-        killed.append(name)
-    if purge_events:
-        events.delete(job_name)
-    return sorted(killed)
-
-
-def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: list[str], purge: bool) -> None:
-    """``AccessError`` unless ``token`` is job ``job_name``'s credential, as its supervisor (if alive) or its
-    event stream's signatures (if it has one) tell; a job with neither has nothing to protect."""
-    what = f"cleanup of job {job_name!r}"
-    hint = (
-        "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
-        "its own user"
-    )
-    if SUPERVISOR_NAME in names:
-        try:
-            supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
-            ray.get(supervisor.run_id.remote(token=token), timeout=10)
-            return
-        except AccessError as err:
-            raise AccessError(f"{what} refused: the job's supervisor does not accept this credential; {hint}") from err
-        except Exception:  # noqa: BLE001 - a dead or hung supervisor: judged by the stream below
-            pass
-    if not names and not purge:
-        return
-    signed = [r for r in events.read(job_name, writers=["job"]) if r.get("kind") == "run_started"]
-    if not signed:
-        return  # no stream of this job: nothing of its own to protect but leftover actors
-    if token is None or not events.verify(signed, credential.derive(token, "stream"))[0]:
-        raise AccessError(f"{what} refused: no credential of this job here; {hint}")
-
-
-def job_token(config: ElasticConfig) -> str:
-    """The credential a client of job ``config`` runs under: its predecessor's when the job's supervisor is still
-    there (a take-over; :func:`find_token`), else a new one. A take-over without it is refused at launch."""
-    try:
-        ray.get_actor(SUPERVISOR_NAME, namespace=config.namespace)
-    except ValueError:
-        return credential.new_token()
-    return find_token(config.job_name) or credential.new_token()
-
-
-def _close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
-    """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
-    try:
-        ray.get(supervisor.close.remote(token=token), timeout=timeout_s)
-    except Exception as err:  # noqa: BLE001 - it is killed next in any case
-        get_logger("elastic.control.cluster", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
 
 class AgentFactory(Protocol):
@@ -326,7 +235,7 @@ class ActorGroup:
         with self._lock:
             previous = self._agents.pop(index, None)
             if previous is not None:
-                _kill(previous)
+                kill_actor(previous)
             incarnation = self._incarnations.get(index, -1) + 1
             self._incarnations[index] = incarnation
             options: dict[str, Any] = {"name": f"agent-{index}-{incarnation}", "namespace": cfg.namespace}
@@ -475,7 +384,7 @@ class ActorGroup:
                 del self._starting[index]
                 if error is not None:
                     self._failed[index] = incarnation
-                    _kill(self._agents[index])
+                    kill_actor(self._agents[index])
                     self._log.warning("agent_respawn_failed", slice=index, incarnation=incarnation, error=error)
 
     def agent(self, index: int) -> Any:
@@ -512,74 +421,18 @@ class ActorGroup:
             return
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
-                _close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
+                close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
             quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():
-                _kill(agent)
+                kill_actor(agent)
             if self.supervisor is not None:
-                _kill(self.supervisor.handle)
+                kill_actor(self.supervisor.handle)
             self._agents.clear()
             self._starting.clear()
-            _sweep_agents(self._config.namespace)
+            sweep_agents(self._config.namespace)
         remove_token(self._config.job_name, self.token)
-
-
-# -- the job's token, for the operator's commands and a successor client, on the client's machine ----------
-def token_path(job_name: str) -> Path:
-    """``$ELASTIC_HOME/tokens/<job>`` (default ``~/.elastic``): a 0600 file in a 0700 directory of the client's
-    user (:mod:`elastic.control.private`)."""
-    return elastic_home() / "tokens" / job_name
-
-
-def write_token(job_name: str, token: str) -> None:
-    path = token_path(job_name)
-    try:
-        write_private(path, token)
-    except (OSError, ElasticError) as err:  # a read-only or foreign home: operators then pass --token
-        get_logger("elastic.control.cluster", job=job_name).warning("token_not_written", path=str(path), error=str(err))
-
-
-def read_token(job_name: str) -> str | None:
-    try:
-        return token_path(job_name).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def find_token(job_name: str, explicit: str | None = None) -> str | None:
-    """The job's credential: ``explicit`` (``--token``), else ``$ELASTIC_TOKEN``, else the file its client wrote
-    for this user."""
-    return explicit or os.environ.get("ELASTIC_TOKEN") or read_token(job_name)
-
-
-def remove_token(job_name: str, token: str) -> None:
-    """Remove the token file if it is still this client's (a successor may have written its own)."""
-    if read_token(job_name) == token:
-        try:
-            token_path(job_name).unlink()
-        except OSError:
-            pass
 
 
 def _alive_nodes() -> set[str]:
     return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-
-
-def _sweep_agents(namespace: str) -> None:
-    """Kill every ``agent-*`` actor left in ``namespace``."""
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != namespace or not entry["name"].startswith("agent-"):
-            continue
-        try:
-            actor = ray.get_actor(entry["name"], namespace=namespace)
-        except ValueError:  # gone meanwhile
-            continue
-        _kill(actor)
-
-
-def _kill(actor: Any) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already dead is fine
-        pass

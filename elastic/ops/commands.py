@@ -154,7 +154,8 @@ def _inject(args: argparse.Namespace) -> int:
     import ray
 
     from elastic.config import ElasticConfig
-    from elastic.control.cluster import connect, find_token
+    from elastic.control.cluster import connect
+    from elastic.control.tokens import find_token
     from elastic.errors import ConfigError
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 

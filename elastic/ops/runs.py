@@ -53,7 +53,8 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None, 
         records, report = events.load(directory)
         return Source(job=job, run=Path(directory).name, where=str(directory), records=records, report=report)
     if os.environ.get("RAY_ADDRESS"):
-        from elastic.control.cluster import connect, find_token
+        from elastic.control.cluster import connect
+        from elastic.control.tokens import find_token
         from elastic.supervision.credential import derive
 
         connect()

@@ -20,7 +20,9 @@ from ray.experimental import internal_kv as kv
 
 from elastic import AccessError, ElasticJob, Processes, Tiers
 from elastic.cli import main
-from elastic.control.cluster import ActorGroup, cleanup, read_token, token_path
+from elastic.control.cluster import ActorGroup
+from elastic.control.teardown import cleanup
+from elastic.control.tokens import read_token, token_path
 from elastic.ops.runs import open_run
 from elastic.snapshot.image import checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier

@@ -130,7 +130,7 @@ def _held_loop(namespace: str, at_step: int):  # noqa: ANN202
         state, step_fn = run.state, run.jit(train_step)
         for step in run.steps:
             if step == at_step:
-                from elastic.control.cluster import read_token  # the job's credential: its user's token file
+                from elastic.control.tokens import read_token  # the job's credential: its user's token file
 
                 supervisor = ray.get_actor("supervisor", namespace=namespace)
                 token = read_token(namespace.removeprefix("elastic-"))

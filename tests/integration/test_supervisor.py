@@ -67,7 +67,8 @@ def test_host_loss_on_a_real_ray_node():
 
 
 def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):
-    from elastic.control.cluster import ActorGroup, cleanup
+    from elastic.control.cluster import ActorGroup
+    from elastic.control.teardown import cleanup
 
     from .helpers import config
 

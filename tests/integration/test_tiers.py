@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from elastic import ElasticError, Faults, Policy, Tiers
-from elastic.control.cluster import cleanup
+from elastic.control.teardown import cleanup
 
 from .helpers import ledger_job
 

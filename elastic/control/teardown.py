@@ -1,0 +1,107 @@
+"""Ending a job's actors: ``cleanup`` (the operator's, after a crashed client; only with the job's credential), and
+the pieces a client's own shutdown uses (``close_supervisor``, ``sweep_agents``, ``kill_actor``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from elastic.config import ElasticConfig
+from elastic.control.tokens import find_token
+from elastic.errors import AccessError
+from elastic.log import get_logger
+from elastic.supervision import credential, events
+from elastic.supervision.supervisor import SUPERVISOR_NAME
+
+__all__ = ["cleanup", "close_supervisor", "kill_actor", "sweep_agents"]
+
+
+def cleanup(
+    job_name: str, *, keep_keepers: bool = False, purge_events: bool = False, token: str | None = None
+) -> list[str]:
+    """Kill every actor left in job ``job_name``'s namespace (e.g. after its driver was SIGKILLed).
+
+    The supervisor, agents and keepers are detached, so they outlive a crashed driver by design; this
+    ends them (the keepers too, unless ``keep_keepers``: they hold the job's newest snapshot). The
+    supervisor is closed first, so it writes no event about the agents' deaths. ``purge_events``: also
+    delete the job's event stream (every run). Returns the names of the actors killed.
+
+    Only with the job's credential (``token``, else :func:`find_token`): a live supervisor must accept it (its
+    refusal is an event in its stream), and without one the job's stream must verify under it; otherwise
+    :class:`~elastic.errors.AccessError` and nothing is touched.
+    """
+    token = find_token(job_name, token)
+    namespace = ElasticConfig(job_name=job_name).namespace
+    names = [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))
+    ]
+    _authorize_cleanup(job_name, namespace, token, names, purge_events)
+    killed = []
+    for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # gone meanwhile
+            continue
+        if name == SUPERVISOR_NAME:
+            close_supervisor(actor, job_name, token)
+        ray.kill(actor, no_restart=True)
+        killed.append(name)
+    if purge_events:
+        events.delete(job_name)
+    return sorted(killed)
+
+
+def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: list[str], purge: bool) -> None:
+    """``AccessError`` unless ``token`` is job ``job_name``'s credential, as its supervisor (if alive) or its
+    event stream's signatures (if it has one) tell; a job with neither has nothing to protect."""
+    what = f"cleanup of job {job_name!r}"
+    hint = (
+        "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
+        "its own user"
+    )
+    if SUPERVISOR_NAME in names:
+        try:
+            supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
+            ray.get(supervisor.run_id.remote(token=token), timeout=10)
+            return
+        except AccessError as err:
+            raise AccessError(f"{what} refused: the job's supervisor does not accept this credential; {hint}") from err
+        except Exception:  # noqa: BLE001 - a dead or hung supervisor: judged by the stream below
+            pass
+    if not names and not purge:
+        return
+    signed = [r for r in events.read(job_name, writers=["job"]) if r.get("kind") == "run_started"]
+    if not signed:
+        return  # no stream of this job: nothing of its own to protect but leftover actors
+    if token is None or not events.verify(signed, credential.derive(token, "stream"))[0]:
+        raise AccessError(f"{what} refused: no credential of this job here; {hint}")
+
+
+def close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
+    try:
+        ray.get(supervisor.close.remote(token=token), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - it is killed next in any case
+        get_logger("elastic.control.teardown", job=job_name).warning("supervisor_close_failed", error=repr(err))
+
+
+def sweep_agents(namespace: str) -> None:
+    """Kill every ``agent-*`` actor left in ``namespace``."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith("agent-"):
+            continue
+        try:
+            actor = ray.get_actor(entry["name"], namespace=namespace)
+        except ValueError:  # gone meanwhile
+            continue
+        kill_actor(actor)
+
+
+def kill_actor(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead is fine
+        pass
