@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +34,10 @@ from elastic import Faults
 from tests.integration.helpers import trainer
 result = trainer({job!r}, Faults().kill_slice(1, at_step=12), num_steps={steps}).fit()
 r = result.report
-print(json.dumps({{"steps_committed": r.steps_committed, "recoveries": r.recoveries, "slices_final": r.slices_final,
-                  "snapshot_held_bytes": r.snapshot_held_bytes}}), flush=True)
+with open({report!r} + ".tmp", "w") as out:  # a file: Ray's own warnings may land on stdout mid-line
+    json.dump({{"steps_committed": r.steps_committed, "recoveries": r.recoveries, "slices_final": r.slices_final,
+               "snapshot_held_bytes": r.snapshot_held_bytes}}, out)
+os.replace({report!r} + ".tmp", {report!r})
 sys.stdin.read()  # keep Ray (and the driver's metrics) up until the test has read them
 ray.shutdown()
 """
@@ -65,15 +67,15 @@ def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def read_report(proc: subprocess.Popen, timeout: float) -> str:
-    """The driver's JSON line ('' if it exited first), skipping anything else it printed."""
+def read_report(proc: subprocess.Popen, path: Path, timeout: float) -> dict | None:
+    """The report the driver wrote to ``path`` (None if it exited first)."""
     deadline = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
-        assert ready, f"the driver printed no report within {timeout} s"
-        line = proc.stdout.readline()
-        if not line or line.startswith("{"):
-            return line
+    while not path.exists():
+        if proc.poll() is not None:
+            return None
+        assert time.monotonic() < deadline, f"the driver wrote no report within {timeout} s"
+        time.sleep(0.1)  # polls for the file (the event), bounded above
+    return json.loads(path.read_text())
 
 
 def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
@@ -86,21 +88,20 @@ def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
         "RAY_DISABLE_USAGE_STATS": "1",
     }
     env.pop("RAY_ADDRESS", None)
-    code = textwrap.dedent(DRIVER.format(port=port, job=JOB, steps=STEPS))
+    code = textwrap.dedent(DRIVER.format(port=port, job=JOB, steps=STEPS, report=str(tmp_path / "report.json")))
     with open(tmp_path / "driver.err", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=err,  # with its stderr: nothing reads a pipe while it runs
             stderr=err,
             text=True,
         )
     try:
-        line = read_report(proc, 75)
-        assert line, f"the driver exited ({proc.poll()}): {(tmp_path / 'driver.err').read_text()[-3000:]}"
-        report = json.loads(line)
+        report = read_report(proc, tmp_path / "report.json", 75)
+        assert report, f"the driver exited ({proc.poll()}): {(tmp_path / 'driver.err').read_text()[-3000:]}"
         assert report["steps_committed"] == STEPS and report["recoveries"] == 1
 
         t0, deadline, samples = time.monotonic(), time.monotonic() + 20, {}
