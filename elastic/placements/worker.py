@@ -37,7 +37,8 @@ from elastic.config import ElasticConfig
 from elastic.control.pass_host import PassHost
 from elastic.control.report import Ledger
 from elastic.log import get_logger
-from elastic.placements.holdings import Holdings, holders_of, select
+from elastic.placements.group_tiers import GroupTiers
+from elastic.placements.holdings import Holdings
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.runtime import distributed
 from elastic.supervision.membership import View
@@ -133,13 +134,16 @@ class SliceWorker:
         self._commits: list[tuple[int, int, dict[str, Any]]] = []  # this pass's commits, in order
         self._prepared: tuple[Any, Any, int, dict[str, Any], Ledger] | None = None
         self._calls: list[tuple[bytes, Any]] = []  # jitted calls recorded for standby compiles
-        self._keepers: Any = None
-        self._persistent: Any = None
+        self._tiers = GroupTiers(
+            cfg,
+            self._holdings,
+            slice_index,
+            keepers=spec.keepers,
+            keeper_credential=spec.keeper_credential,
+            log=self._log,
+        )
         self._compile_s = 0.0
-        self._shape_key: Any = None
-        self._holders: list[dict[Any, tuple[int, ...]]] = []  # per leaf: region -> the processes holding it
         self._abstract: Any = None
-        self._shape_meta: dict[str, Any] = {}
         self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)  # type: ignore[arg-type]
         self._started = False
@@ -262,12 +266,12 @@ class SliceWorker:
         start = time.monotonic()
         phases: dict[str, float] = {}
         self._holdings.end(keep_in_flight=plan.live)  # restoring an older step: the copy in flight is not wanted
-        if self._persistent is not None and distributed.joined():
+        if self._tiers.persistent is not None and distributed.joined():
             # An Orbax save of the old group may wait at a barrier for members that are gone: shut the old group's
             # client first (that wait fails now), let the save end while the old backend still answers it, then
             # leave. (A thread asking jax for its backend between leave and join would start a local one.)
             distributed.disconnect()
-        self._close_tiers(timeout_s=30.0)
+        self._tiers.close(timeout_s=30.0)
         self._prepared = self._final = None
         phases["end_group"] = time.monotonic() - start
         with self._lock:
@@ -319,7 +323,7 @@ class SliceWorker:
         self._prepared = (mesh, state, begin, extras, ledger)
         phases["restore"] = time.monotonic() - mark
         phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
-        self._begin_tiers(plan, mesh, state)
+        self._tiers.begin(plan.members, plan.peers, mesh, state)
         out.update(
             status="ready",
             meta=meta,
@@ -377,7 +381,7 @@ class SliceWorker:
                 tier.close()
             return state, meta
         if plan.source == "keeper":
-            keepers = self._keeper_tier()
+            keepers = self._tiers.keepers()
             meta = keepers.part_meta(plan.keeper, step) if keepers is not None else None  # type: ignore[assignment]
             if meta is None:
                 raise RuntimeError(f"keeper {plan.keeper} no longer holds step {step}")
@@ -437,81 +441,9 @@ class SliceWorker:
             return None
         raise RuntimeError(f"no member of group {plan.epoch} holds the {what} of step {plan.step}")
 
-    # -- tiers of a group ------------------------------------------------------------------------------------------
-    def _keeper_tier(self) -> Any:
-        if not self._spec.keepers:
-            return None
-        if self._keepers is None:
-            from elastic.snapshot.keeper import KeeperTier
-
-            self._keepers = KeeperTier.attach(self._config.namespace, credential=self._spec.keeper_credential)
-        return self._keepers
-
-    def _begin_tiers(self, plan: GroupPlan, mesh: Any, state: Any) -> None:
-        members = plan.members
-        me = members.index(self.slice)
-        send = []
-        if len(members) > 1:  # the buddy: the next member; its copy lives in its own process
-            buddy = plan.peers[members[(me + 1) % len(members)]]
-
-            def to_buddy(image: Any) -> None:
-                # only what no other member holds: a region replicated across slices has its copies there already
-                mine = select(image, lambda leaf, index: self._holders[leaf].get(index) == (me,))
-                if mine is not None:
-                    buddy.hold.remote(self.slice, mine)
-
-            send.append(to_buddy)
-        every = self._config.tiers.keeper_every
-        keepers = self._keeper_tier() if every else None
-        if keepers is not None:
-            counter = {"n": 0}
-
-            def to_keepers(image: Any) -> None:
-                counter["n"] += 1
-                if counter["n"] % every == 0:  # each region from the first process that holds it
-                    part = select(image, lambda leaf, index: min(self._holders[leaf].get(index, (me,))) == me)
-                    if part is not None:
-                        keepers.push_part(part, self.slice)
-
-            send.append(to_keepers)
-        process_of = {d.id: d.process_index for d in mesh.devices.flat}
-        self._holdings.begin(lambda d: process_of.get(d.id, d.process_index), send, state)
-        if self._config.tiers.persistent_dir is not None:
-            from elastic.snapshot.persistent import PersistentTier
-
-            self._persistent = PersistentTier(
-                self._config.tiers.persistent_dir, every=self._config.tiers.persistent_every, job=self._config.job_name
-            )
-
-    def _close_tiers(self, *, timeout_s: float = 300.0) -> None:
-        """Close the group's Orbax tier, waiting (up to ``timeout_s``) for a save in flight to end."""
-        tier, self._persistent = self._persistent, None
-        if tier is None:
-            return
-
-        def close() -> None:
-            try:
-                tier.close()
-            except Exception as err:  # noqa: BLE001 - a broken group cannot finish a collective write
-                self._log.warning("persistent_close_failed", error=repr(err)[:200])
-
-        closing = threading.Thread(target=close, name="persistent-close", daemon=True)
-        closing.start()
-        closing.join(timeout_s)
-        if closing.is_alive():
-            self._log.warning("persistent_close_timed_out", seconds=timeout_s)
-
     def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
-        leaves = jax.tree_util.tree_leaves(state)
-        key = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
-        if self._shape_key != key:  # the regions, their holders and the layout of a state: once per mesh
-            self._holders = holders_of(leaves)  # once per layout: the regions are its keys
-            self._shape_key = key
-            self._shape_meta = {"_regions": [sorted(h) for h in self._holders], "_layout": layout_of(leaves)}
         meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed}
-        self._holdings.save(next_step, state, meta, static=self._shape_meta)
-        if self._persistent is not None and self._persistent.due(next_step):
-            self._persistent.save(next_step, state, {**meta, **self._shape_meta})
+        self._tiers.save(next_step, state, meta)
 
     # -- one pass of the loop ------------------------------------------------------------------------------------------
     def run_pass(self, plan: GroupPlan) -> dict[str, Any]:
@@ -698,7 +630,7 @@ class SliceWorker:
     def leave(self) -> float:
         """Leave the group (the job ends): snapshots closed, the runtime torn down. Seconds it took."""
         self._holdings.end()
-        self._close_tiers()
+        self._tiers.close()
         self._prepared = self._final = None
         self._stop_beats.set()
         return distributed.leave() if distributed.joined() else 0.0
