@@ -17,7 +17,8 @@ import pytest
 import ray
 
 from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
-from elastic.snapshot.keeper import Keeper, KeeperTier, _private_copy, keepers_for
+from elastic.snapshot.keeper import KeeperTier, keepers_for
+from elastic.snapshot.keeper_actor import Keeper, _private_copy
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from elastic.placements.holdings import Holdings, common_step, regions_of
 from elastic.placements.restore import layout_of, restore_state
 from elastic.snapshot import HostImage
 from elastic.snapshot.image import LeafImage, Piece, checksum
-from elastic.snapshot.keeper import _covers
+from elastic.snapshot.keeper_actor import _covers
 
 W = 1  # the leaf index of "w" (leaves in key order: "k", "w")
 
