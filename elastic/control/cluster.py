@@ -137,7 +137,6 @@ class ActorGroup:
         self._for_agents: Any = None  # the same actor, for the agents: their credential registers and beats only
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
         self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
-        self.owns_job = False  # True once launch created (or took over) the job's supervisor
 
     def launch(self, *, owned: Callable[[], None] | None = None) -> None:
         """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
@@ -149,7 +148,6 @@ class ActorGroup:
             pass
         else:
             self._take_over(existing)
-        self.owns_job = True
         self.run = self.run or events.new_run(cfg.job_name, key=self.stream_key)
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
@@ -177,6 +175,11 @@ class ActorGroup:
         if self.respawn_every_s is not None:
             self._respawner = threading.Thread(target=self._respawn_loop, name=f"respawner-{cfg.job_name}", daemon=True)
             self._respawner.start()
+
+    @property
+    def owns_job(self) -> bool:
+        """Whether launch created (or took over) the job's supervisor: a group refused at launch owns nothing."""
+        return self.supervisor is not None
 
     @property
     def stream_key(self) -> str:
