@@ -243,6 +243,11 @@ class Snapshotter:
             with self._cv:
                 self._in_flight = None
                 self._cv.notify_all()
+            try:
+                if self._engine is not None:
+                    self._engine.warm()  # the copies the next saves stage: compiled here, not on the training thread
+            except Exception as err:  # noqa: BLE001 - then staging keeps its uncompiled path
+                log.warning("snapshot_warm_failed", error=str(err)[:200])
 
     def _free_slot(self) -> int:
         used = {g.slot for g in self._generations}

@@ -583,7 +583,8 @@ def test_donating_the_state_right_after_save(make, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_save_returns_before_the_state_is_computed_and_the_snapshot_survives_its_donation(make, engine):
     """A pipelined loop saves a state whose step is still running: ``save`` returns at once, and the
-    generation holds that step's result although the next step donated it."""
+    generation holds that step's result although the next step donated it. Twice: the host engine stages the
+    first save of a layout with a ``device_put`` and compiles a device-side copy for the later ones."""
     release = threading.Event()
 
     def held_back(x):  # the step cannot finish until the test says so
@@ -595,25 +596,32 @@ def test_save_returns_before_the_state_is_computed_and_the_snapshot_survives_its
         one = jax.experimental.io_callback(held_back, jax.ShapeDtypeStruct((), jnp.float32), jnp.float32(1.0))
         return jax.tree.map(lambda x: x * 2.0 + one, s)  # exact doubling: one rounding, fused or not
 
-    snap = make(engine=engine)
+    donated = threading.Event()
+    snap = make(engine=engine, guard=lambda devices: donated.wait(20.0))  # no copy is read before the donation
     rng = np.random.default_rng(1)
-    start = {
+    state = {
         "w": jax.device_put(rng.normal(size=(384, 512)).astype(np.float32), NamedSharding(MESH8, SPECS["w"])),
         "r": jax.device_put(rng.normal(size=(256, 256)).astype(np.float32), NamedSharding(MESH8, P())),
     }
-    expected = {k: np.asarray(v) * np.float32(2.0) + np.float32(1.0) for k, v in start.items()}
-    state = slow_step(start)
-    snap.save(1, state)
-    returned_early = not release.is_set()
-    release.set()
-    state = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.0 - 7.0, s), donate_argnums=0)(state)
-    jax.block_until_ready(state)
-    snap.wait()
-    restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
-    assert returned_early, "save waited for the step it saves"
-    assert restored.step == 1
-    for k, want in expected.items():
-        np.testing.assert_array_equal(np.asarray(restored.state[k]), want)
+    for step in (1, 2):
+        release.clear()
+        donated.clear()
+        expected = {k: np.asarray(v) * np.float32(2.0) + np.float32(1.0) for k, v in state.items()}
+        state = slow_step(state)
+        snap.save(step, state)
+        returned_early = not release.is_set()
+        release.set()
+        state = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.0 - 7.0, s), donate_argnums=0)(state)
+        jax.block_until_ready(state)
+        donated.set()
+        snap.wait()
+        restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
+        assert returned_early, f"save {step} waited for the step it saves"
+        assert restored.step == step
+        for k, want in expected.items():
+            np.testing.assert_array_equal(np.asarray(restored.state[k]), want)
+    if engine == "host":
+        assert snap._engine._warm, "the second save did not stage with the compiled copy"  # noqa: SLF001
 
 
 # -- 8. rollback ----------------------------------------------------------------------------
