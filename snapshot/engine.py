@@ -77,7 +77,8 @@ class HostEngine:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._warm: set[tuple[Any, ...]] = set()  # the device-side copies compiled (device, then each shape, dtype)
-        self._cold: dict[tuple[Any, ...], list[jax.ShapeDtypeStruct]] = {}  # met by stage_pieces, not compiled yet
+        self._met: set[tuple[Any, ...]] = set()  # every key met (one whose compile failed stays cold)
+        self._cold: dict[tuple[Any, ...], list[jax.ShapeDtypeStruct]] = {}  # met, not compiled yet
 
     def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
         """A piece whose shards are computed: zero-copy views. One still being computed: a device-side copy of its
@@ -98,7 +99,8 @@ class HostEngine:
             key = (device, *((x.shape, x.dtype) for x in firsts))
             with self._lock:
                 warm = key in self._warm
-                if not warm:
+                if key not in self._met:
+                    self._met.add(key)
                     self._cold[key] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in firsts]
             if warm:
                 landed = _copy_all(firsts)
@@ -109,7 +111,8 @@ class HostEngine:
         return staged
 
     def warm(self) -> None:
-        """On the copy thread: compile the device-side copies ``stage_pieces`` has met without one."""
+        """On the copy thread: compile the device-side copies ``stage_pieces`` has met without one (each is tried
+        once: a compile that raises leaves its shapes on the ``device_put`` path)."""
         while True:
             with self._lock:
                 if not self._cold:
