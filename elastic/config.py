@@ -134,9 +134,10 @@ class ElasticConfig:
 
     ``steps_in_flight``: how many steps the loop may have dispatched and not yet confirmed when ``run.commit``
     returns, plus one: with 2 a commit waits for the step before it, so the loop dispatches step k+1 while step
-    k computes, as a plain jitted loop does (the step before's state donated to this one, with no metrics
-    committed, leaves nothing to wait on: the loop then runs ahead up to the next snapshot, whose wait gives each
-    step it covers its own ``step_timeout_s``); 1: each commit waits for its own step. A commit whose step ends on
+    k computes, as a plain jitted loop does (a step whose state the next one donates, with no metrics committed,
+    is waited on through a one-element copy of its result queued behind it; a loop left to run ahead without
+    bound was aborted on CPU devices by XLA's collective rendezvous 60 steps ahead); 1: each commit waits for
+    its own step. A commit whose step ends on
     a snapshot boundary waits for its own step either way (the snapshot is of a computed state), and a failure
     surfaces at the next commit or step boundary at the latest. None (the default): 2 in single-process mode,
     1 in multi-process mode, where a step dispatched ahead lets a survivor start the next step's collective

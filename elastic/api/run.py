@@ -81,11 +81,34 @@ class _Unconfirmed:
     batch: int
     extras: dict[str, Any]
     first: bool
+    marker: jax.Array | None = None
 
 
 def _live(tree: Any) -> Any:
     """The arrays of ``tree`` still alive: a leaf donated to a later step is gone (that step's readiness covers it)."""
     return [x for x in jax.tree_util.tree_leaves(tree) if not (isinstance(x, jax.Array) and x.is_deleted())]
+
+
+_tap = jax.jit(lambda x: x.reshape(-1)[:1])  # one element of one device's shard: a tiny single-device program
+
+
+def _marker(state: Any, metrics: dict[str, Any]) -> jax.Array | None:
+    """What to wait on for a step whose ``state`` the next step may donate: one element of the first shard of a
+    leaf still being computed, copied out by a tiny program queued behind the step on that device (it outlives
+    the donation, and is ready once the step's result on that device is). None where nothing needs it: the
+    metrics hold an array (not donated), or every leaf is ready already (the step is computed)."""
+    if any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(metrics)):
+        return None
+    for leaf in jax.tree_util.tree_leaves(state):
+        if (
+            isinstance(leaf, jax.Array)
+            and leaf.size
+            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+            and not leaf.is_deleted()
+            and not leaf.is_ready()
+        ):
+            return _tap(leaf.addressable_data(0))
+    return None
 
 
 class Run:
@@ -170,6 +193,7 @@ class Run:
         self._pending = None
         record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
         extras = self.extras if self._window == 1 else copy.deepcopy(self.extras)
+        keep = 0 if self._host.must_confirm(step) else self._window - 1
         self._unconfirmed.append(
             _Unconfirmed(
                 step=step,
@@ -178,9 +202,10 @@ class Run:
                 batch=step if batch is None else batch,
                 extras=extras,
                 first=first,
+                marker=_marker(state, metrics) if keep else None,  # the next step may donate ``state``
             )
         )
-        self._confirm(keep=0 if self._host.must_confirm(step) else self._window - 1)
+        self._confirm(keep=keep)
 
     def settle(self) -> None:
         """Confirm every committed step (at a step boundary the pass may end at, and after the last step)."""
@@ -190,11 +215,11 @@ class Run:
         """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain.
 
         A step whose state was donated to the next one before it was confirmed (and that committed no metrics)
-        has nothing left to wait on: the next wait that has something covers it too, and gets each step it covers
-        its own ``step_timeout_s`` (a loop that ran ahead ten steps is not hung for taking ten steps' time)."""
+        is waited on through its marker (:func:`_marker`); one with nothing left to wait on (no marker) is covered
+        by the next wait that has something, which gets each step it covers its own ``step_timeout_s``."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
-            waitable = _live((u.state, u.metrics))
+            waitable = _live((u.state, u.metrics)) or _live(u.marker)
             first, earlier = self._unseen or (u.step, 0.0)
             own = self._host.config.step_wait_s(first=u.first)
             bound = None if own is None else earlier + own

@@ -152,29 +152,35 @@ def test_a_slow_but_progressing_first_step_is_not_a_hang(ray_local):
     assert [i for i, _ in committed] == list(range(6))
 
 
-def test_a_loop_that_runs_ahead_of_its_steps_is_not_hung(ray_local):
-    """A loop that donates its state and commits nothing else runs ahead of the devices up to the next snapshot
-    (nothing of a donated step is left to wait on): the snapshot's wait covers every step it ran ahead of, each
-    with its own ``step_timeout_s``, so ten steps' time in one wait is no hang (it was, before: a false alarm,
-    a rollback, and past the retries an error)."""
+def test_a_loop_that_donates_its_state_stays_within_its_steps_in_flight_and_is_not_hung(ray_local):
+    """A loop that donates its state and commits nothing else keeps at most ``steps_in_flight`` steps ahead of its
+    devices: the step before's donated state leaves a tiny marker to wait on. Before, nothing was left and the loop
+    ran ahead up to the next snapshot (on these CPU devices, 60 steps ahead aborted the process in XLA's collective
+    rendezvous), so the window the config promises did not hold. Each wait gets one step's ``step_timeout_s``, and
+    no step here is near it: no false alarm."""
     job, _ = ledger_job("run-ahead", num_steps=12, snapshot_every=10, step_timeout_s=0.6)
+    dispatched = [0]
+    beyond: list[int] = []  # per step, as its result is computed: how many later steps the loop had dispatched
+
+    def seen(k, _):
+        beyond.append(dispatched[0] - 1 - int(k))
+        return np.int32(0)
 
     @jax.jit
-    def heavy(state):  # 0.1-0.25 s of device time on these 2 cores, each step well under its 0.6 s
+    def heavy(state, k):  # 0.1-0.25 s of device time on these 2 cores, each step well under its 0.6 s
         m = jnp.tile(state["w"], (64,))
         a = jnp.outer(m, m) * 1e-3
         for _ in range(3):
             a = jnp.tanh(a @ a)
-        return {**state, "w": state["w"] + 0 * a.sum()}
-
-    ahead = []
+        done = io_callback(seen, jax.ShapeDtypeStruct((), jnp.int32), k, a.sum())
+        return {**state, "w": state["w"] + 0 * a.sum() + 0 * done}
 
     def loop(run: Run):
         state = run.state
         step = run.jit(heavy, donate_argnums=0)
-        for _ in run.steps:
-            state = step(state)
-            ahead.append(sum(not x.is_ready() for x in jax.tree_util.tree_leaves(state)) > 0)
+        for k in run.steps:
+            dispatched[0] += 1
+            state = step(state, k)
             run.commit(state)
         return state
 
@@ -183,4 +189,5 @@ def test_a_loop_that_runs_ahead_of_its_steps_is_not_hung(ray_local):
     r = result.report
     assert (r.failures_injected, r.recoveries, r.steps_committed, r.steps_recomputed) == (0, 0, 12, 0)
     assert not [e for e in job.timeline.events if e["event"] == "failure"]
-    assert sum(ahead) >= 5  # the loop did run ahead of the devices
+    assert len(beyond) == 12 and max(beyond) <= job.config.in_flight - 1, beyond  # before: up to 8 (to the snapshot)
+    assert beyond.count(1) >= 5, beyond  # and the loop did dispatch the next step while one computed
