@@ -92,6 +92,10 @@ def _live(tree: Any) -> Any:
 _tap = jax.jit(lambda x: x.reshape(-1)[:1])  # one element of one device's shard: a tiny single-device program
 
 
+def _computing(array: Any) -> bool:
+    return not array.is_ready()  # jax.Array's stubs lack is_ready
+
+
 def _marker(state: Any, metrics: dict[str, Any]) -> jax.Array | None:
     """What to wait on for a step whose ``state`` the next step may donate: one element of the first shard of a
     leaf still being computed, copied out by a tiny program queued behind the step on that device (it outlives
@@ -105,7 +109,7 @@ def _marker(state: Any, metrics: dict[str, Any]) -> jax.Array | None:
             and leaf.size
             and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
             and not leaf.is_deleted()
-            and not leaf.is_ready()
+            and _computing(leaf)
         ):
             return _tap(leaf.addressable_data(0))
     return None
