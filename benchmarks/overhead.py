@@ -17,11 +17,15 @@ devices, each batch split over the 8 devices: the same mesh, shardings, batches 
   once (``orbax_saves_skipped``; ``orbax_save_return_seconds_median_taken``: over the saves it took); ours takes
   every save and replaces a waiting one with the newer (``saves_coalesced``).
 
-``host_syncs_per_step`` (at ``snapshot_every=10``: the library's own waits for a step not yet computed, per step)
-and ``library_seconds_per_step`` (at ``snapshot_every=10``: the median time the loop's thread spends inside
-``run.steps``, ``shard_batch`` and ``commit`` per step, less the batch transfer the plain loop makes too; a commit
-that waits for the step before it counts that wait); ``library_cpu_seconds_per_step`` is the same less those waits
-for compute (the library's own work per step).
+``host_syncs_per_step`` (at ``snapshot_every=10``: the library's own host syncs per step, waits after which the
+devices hold no step, the newest one dispatched computed too: a commit before a snapshot) and
+``library_seconds_per_step`` (at ``snapshot_every=10``: the median time the loop's thread spends inside
+``run.steps``, ``shard_batch`` and ``commit`` per step, less the batch transfer the plain loop makes too, and less
+the window's waits: ``steps_in_flight=2`` has each commit wait for the step before it while the newest one is
+queued behind it, ``window_waits_per_step`` and ``window_wait_seconds_per_step``; the plain loop's thread waits
+the same way inside its jitted calls, whose dispatch jax's CPU client holds once its queue is full,
+``plain_dispatch_seconds_per_step``); ``library_cpu_seconds_per_step`` is the same less the host syncs' waits too
+(the library's own work per step).
 
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's. An elastic loop's timed stretch starts once the
@@ -124,13 +128,16 @@ def plain(width: int, steps: int) -> dict[str, float]:
     fn = jax.jit(step, donate_argnums=0)
     times = []
     transfers = []
+    dispatches = []  # the time each fn call held the loop (jax's CPU client blocks it once its queue is full)
     t0 = time.perf_counter()
     for k in range(steps):
         host = batch(k, width)
         t = time.perf_counter()
         x = jax.device_put(host, rows)
         transfers.append(time.perf_counter() - t)
+        t = time.perf_counter()
         state, loss = fn(state, x)
+        dispatches.append(time.perf_counter() - t)
         if k == 1:  # compiled and warm: time the rest as one pipelined stretch
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t0)
@@ -145,6 +152,7 @@ def plain(width: int, steps: int) -> dict[str, float]:
         "step_seconds": (time.perf_counter() - t1) / (steps - 2),
         "first_step_seconds": first,
         "transfer_seconds": statistics.median(transfers[2:]),
+        "dispatch_seconds": statistics.mean(dispatches[2:]),
         "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state)),
     }
 
@@ -222,19 +230,29 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     init, step = make(width)
     stamps: dict[int, float] = {}
     inside: dict[int, float] = {}  # per step: seconds the loop's thread spent in run.steps, shard_batch and commit
-    syncs = {"count": 0, "seconds": 0.0}  # the library's own host syncs, and the seconds they waited
-    waited: dict[int, float] = {}  # per step: seconds of its inside time spent waiting for an uncomputed step
+    # the library's waits for the devices: host syncs (after the wait the devices hold no step: the newest
+    # dispatched one is computed too) and the window's (an older step, with the newest still queued behind it)
+    syncs = {"count": 0, "seconds": 0.0, "window_count": 0, "window_seconds": 0.0}
+    waited: dict[int, float] = {}  # per step: seconds of its inside time spent waiting for the devices
+    synced: dict[int, float] = {}  # ... of which in host syncs
     waits = run_module.wait_ready
+    newest: list[object] = [None]  # the state the loop dispatched last
 
-    def counted(tree, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the library's own host syncs
-        if all(x.is_ready() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)):
+    def computed(tree) -> bool:  # noqa: ANN001
+        return all(
+            x.is_ready() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()
+        )
+
+    def counted(tree, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the library's own waits
+        if computed(tree):
             return waits(tree, *args, **kwargs)
-        syncs["count"] += 1  # it waits: a host sync
         t = time.perf_counter()
         try:
             return waits(tree, *args, **kwargs)
         finally:
-            syncs["seconds"] += time.perf_counter() - t
+            kind = "" if computed(newest[0]) else "window_"
+            syncs[f"{kind}count"] += 1
+            syncs[f"{kind}seconds"] += time.perf_counter() - t
 
     def loop(run):  # noqa: ANN001, ANN202
         state = run.state
@@ -251,10 +269,12 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
             x = run.shard_batch(host)
             spent += time.perf_counter() - t
             state, loss = fn(state, x)
-            t, before = time.perf_counter(), syncs["seconds"]
+            newest[0] = state
+            t, before, window = time.perf_counter(), syncs["seconds"], syncs["window_seconds"]
             run.commit(state)
             inside[k] = spent + time.perf_counter() - t
-            waited[k] = syncs["seconds"] - before
+            synced[k] = syncs["seconds"] - before
+            waited[k] = synced[k] + syncs["window_seconds"] - window
             if k == 1 and job.controller is not None:  # the one-time background compiles done: a steady day
                 t = time.perf_counter()
                 job.controller.wait_for_standbys(600)
@@ -299,7 +319,9 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         "close_seconds": close,
         "blocking_seconds": result.report.snapshot_blocking_seconds,
         "host_syncs_per_step": syncs["count"] / steps,
-        "inside_seconds_per_step": statistics.median(inside[k] for k in range(2, steps)),
+        "window_waits_per_step": syncs["window_count"] / steps,
+        "window_wait_seconds_per_step": syncs["window_seconds"] / steps,
+        "inside_seconds_per_step": statistics.median(inside[k] - (waited[k] - synced[k]) for k in range(2, steps)),
         "inside_less_waits_seconds_per_step": statistics.median(inside[k] - waited[k] for k in range(2, steps)),
     }
 
@@ -352,6 +374,11 @@ def main() -> int:
     out["standby_waited_seconds_every10"] = round(runs["every10"]["standby_waited_seconds"], 2)
     out["snapshot_blocking_seconds_every1"] = runs["every1"]["blocking_seconds"]
     out["host_syncs_per_step"] = round(runs["every10"]["host_syncs_per_step"], 3)
+    out["window_waits_per_step"] = round(runs["every10"]["window_waits_per_step"], 3)
+    out["window_wait_seconds_per_step"] = round(runs["every10"]["window_wait_seconds_per_step"], 4)
+    out["plain_dispatch_seconds_per_step"] = round(
+        statistics.mean([base["dispatch_seconds"], again["dispatch_seconds"]]), 4
+    )
     transfer = statistics.mean([base["transfer_seconds"], again["transfer_seconds"]])
     out["library_seconds_per_step"] = round(runs["every10"]["inside_seconds_per_step"] - transfer, 4)
     out["library_cpu_seconds_per_step"] = round(runs["every10"]["inside_less_waits_seconds_per_step"] - transfer, 4)
