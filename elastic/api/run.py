@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from elastic.api.data import DataIterator, Source, open_data, record_positions
+from elastic.api.markers import StepMarkers
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
 from elastic.runtime import batch_sharding, guarded, hangs, wait_ready
@@ -89,32 +90,6 @@ def _live(tree: Any) -> Any:
     return [x for x in jax.tree_util.tree_leaves(tree) if not (isinstance(x, jax.Array) and x.is_deleted())]
 
 
-_tap = jax.jit(lambda x: x.reshape(-1)[:1])  # one element of one device's shard: a tiny single-device program
-
-
-def _computing(array: Any) -> bool:
-    return not array.is_ready()  # jax.Array's stubs lack is_ready
-
-
-def _marker(state: Any, metrics: dict[str, Any]) -> jax.Array | None:
-    """What to wait on for a step whose ``state`` the next step may donate: one element of the first shard of a
-    leaf still being computed, copied out by a tiny program queued behind the step on that device (it outlives
-    the donation, and is ready once the step's result on that device is). None where nothing needs it: the
-    metrics hold an array (not donated), or every leaf is ready already (the step is computed)."""
-    if any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(metrics)):
-        return None
-    for leaf in jax.tree_util.tree_leaves(state):
-        if (
-            isinstance(leaf, jax.Array)
-            and leaf.size
-            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
-            and not leaf.is_deleted()
-            and _computing(leaf)
-        ):
-            return _tap(leaf.addressable_data(0))
-    return None
-
-
 class Run:
     """One pass of the user's loop over one membership view. Built by the controller."""
 
@@ -134,6 +109,7 @@ class Run:
         self._window = max(1, host.config.in_flight)
         self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
         self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
+        self._markers = StepMarkers()
 
     @property
     def epoch(self) -> int:
@@ -206,7 +182,7 @@ class Run:
                 batch=step if batch is None else batch,
                 extras=extras,
                 first=first,
-                marker=_marker(state, metrics) if keep else None,  # the next step may donate ``state``
+                marker=self._markers.mark(state, metrics) if keep else None,  # the next step may donate it
             )
         )
         self._confirm(keep=keep)
@@ -219,8 +195,8 @@ class Run:
         """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain.
 
         A step whose state was donated to the next one before it was confirmed (and that committed no metrics)
-        is waited on through its marker (:func:`_marker`); one with nothing left to wait on (no marker) is covered
-        by the next wait that has something, which gets each step it covers its own ``step_timeout_s``."""
+        is waited on through its marker (:mod:`elastic.api.markers`); one with nothing left to wait on (no marker)
+        is covered by the next wait that has something, which gets each step it covers its own ``step_timeout_s``."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
             waitable = _live((u.state, u.metrics)) or _live(u.marker)

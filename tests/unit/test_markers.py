@@ -1,0 +1,95 @@
+"""Step markers: a donated step's result can still be waited on, and a pass on other devices compiles nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from elastic.api import markers
+from elastic.api.markers import StepMarkers
+
+
+def _mesh(devices) -> Mesh:
+    return Mesh(np.array(devices).reshape(len(devices)), ("d",))
+
+
+def _state(mesh: Mesh) -> dict:
+    rep = NamedSharding(mesh, P())
+    return {
+        "w": jax.device_put(jnp.ones((len(mesh.devices.flat) * 4, 16)), NamedSharding(mesh, P("d"))),
+        "count": jax.device_put(jnp.zeros((), jnp.int32), rep),
+    }
+
+
+def test_a_marker_outlives_the_donation_and_is_ready_only_once_its_step_is():
+    mesh = _mesh(jax.devices()[:4])
+    gate = threading.Event()
+
+    def held(x):
+        gate.wait(60)
+        return x
+
+    @jax.jit
+    def step(state):
+        w = io_callback(held, jax.ShapeDtypeStruct(state["w"].shape, state["w"].dtype), state["w"] * 2)
+        return {"w": w, "count": state["count"] + 1}
+
+    state = _state(mesh)
+    jax.block_until_ready(state)
+    marks = StepMarkers()
+    first = jax.jit(step, donate_argnums=0)(state)
+    marker = marks.mark(first, {})
+    assert marker is not None and marker.shape == (1,)
+    second = jax.jit(step, donate_argnums=0)(first)  # donates the marked step's state
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(first))
+    assert not marker.is_ready()  # its step is held in the callback: the marker waits with it
+    gate.set()
+    jax.block_until_ready(marker)
+    assert int(marker[0]) == 1  # one element of the smallest leaf being computed: the count after one step
+    jax.block_until_ready(second)
+
+
+def test_no_marker_where_the_metrics_hold_an_array_or_the_step_is_computed():
+    mesh = _mesh(jax.devices()[:2])
+    state = _state(mesh)
+    jax.block_until_ready(state)
+    assert StepMarkers().mark(state, {}) is None  # every leaf computed: nothing to mark
+    busy = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))(state)
+    assert StepMarkers().mark(busy, {"loss": busy["count"]}) is None
+    jax.block_until_ready(busy)
+
+
+def test_the_marker_program_is_compiled_ahead_for_every_local_device():
+    mesh = _mesh(jax.devices()[:2])
+    state = _state(mesh)
+    jax.block_until_ready(state)
+    gate = threading.Event()
+
+    def held(x):
+        gate.wait(60)
+        return x
+
+    @jax.jit
+    def step(s):
+        c = io_callback(held, jax.ShapeDtypeStruct((), jnp.float32), s["w"].sum())
+        return {"w": s["w"] + 0 * c, "count": s["count"] + 1 + 0 * c.astype(jnp.int32)}
+
+    busy = step(state)
+    StepMarkers().mark(busy, {})
+    gate.set()
+    for t in [t for t in threading.enumerate() if t.name == "elastic-marker-warm"]:
+        t.join(60)
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    other = jax.devices()[7]  # a device outside the marked mesh: a pass after a recovery or a grow
+    x = jax.device_put(jnp.zeros((), jnp.int32), other)
+    jax.block_until_ready(markers._tap(x))
+    assert compiles == []
