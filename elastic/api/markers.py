@@ -53,6 +53,7 @@ class StepMarkers:
     def __init__(self) -> None:
         self._at: int | None = None  # the marked leaf's index among the state's leaves
         self._tries = 0
+        self._dtype: Any = None  # the marked leaf's (a markable dtype: another leaf there is not marked)
 
     def mark(self, state: Any, metrics: dict[str, Any]) -> jax.Array | None:
         if any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(metrics)):
@@ -65,11 +66,10 @@ class StepMarkers:
             self._at = _pick(leaves)
             if self._at is None:
                 return None
+            self._dtype = leaves[self._at].dtype
             _warm(leaves[self._at])
-        if self._at >= len(leaves):
-            return None
-        leaf = leaves[self._at]
-        if not _markable(leaf) or not _computing(leaf):
+        leaf = leaves[self._at] if self._at < len(leaves) else None
+        if not isinstance(leaf, jax.Array) or leaf.dtype != self._dtype or leaf.is_deleted() or not _computing(leaf):
             return None
         return _tap(leaf.addressable_data(0))
 

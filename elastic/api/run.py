@@ -110,6 +110,8 @@ class Run:
         self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()
         self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
         self._markers = StepMarkers()
+        self._rows_checked: set[int] = set()  # batch sizes checked to split over every device count
+        self._put: Callable[[Any], Any] | None = None
 
     @property
     def epoch(self) -> int:
@@ -279,8 +281,12 @@ class Run:
         a batch that would not fails at the first step (``ConfigError`` naming the sizes), not after a shrink.
         """
         rows = batch_rows(batch, what="run.shard_batch got")
-        check_batch_splits(rows, self._host.config, what="a batch")
-        return self.guard(jax.device_put)(batch, batch_sharding(self.mesh))
+        if rows not in self._rows_checked:
+            check_batch_splits(rows, self._host.config, what="a batch")
+            self._rows_checked.add(rows)
+        if self._put is None:  # one sharding and one guarded transfer per pass, not one per step
+            self._put = functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
+        return self._put(batch)
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
