@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 import jax
 from jax.sharding import SingleDeviceSharding
 
-__all__ = ["StepMarkers"]
+__all__ = ["StepMarkers", "wait_warm"]
 
 _PICK_TRIES = 3  # commits of a pass that look for a leaf being computed (a synchronous step leaves none)
 
 _tap = jax.jit(lambda x: x.reshape(-1)[:1])  # one element of one device's shard: a tiny single-device program
 _warmed: set[tuple[tuple[int, ...], str, int]] = set()  # (shard shape, dtype, device id) compiled for
 _lock = threading.Lock()
+_warming: list[threading.Thread] = []  # the background compiles started, until joined by ``wait_warm``
 
 
 def _computing(array: Any) -> bool:
@@ -97,4 +99,19 @@ def _warm(leaf: jax.Array) -> None:
             except Exception:  # noqa: BLE001, S112 - the call compiles it then
                 continue
 
-    threading.Thread(target=compile_all, name="elastic-marker-warm", daemon=True).start()
+    thread = threading.Thread(target=compile_all, name="elastic-marker-warm", daemon=True)
+    with _lock:
+        _warming.append(thread)
+    thread.start()
+
+
+def wait_warm(timeout_s: float) -> bool:
+    """Until the marker programs' background compiles started so far are done (False: not within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    with _lock:
+        threads = list(_warming)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _lock:
+        _warming[:] = [t for t in _warming if t.is_alive()]
+        return not _warming

@@ -21,6 +21,7 @@ from typing import Any, cast
 import ray
 
 from elastic import runtime
+from elastic.api import markers
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
@@ -308,5 +309,8 @@ class Controller:
         return self._acct.meta(extras, self.config.seed)
 
     def wait_for_standbys(self, timeout: float) -> bool:
-        """Until the standby compiles asked for so far are done (tests and benchmarks)."""
-        return self._placement.wait_for_standbys(timeout)
+        """Until the standby compiles asked for so far, and the step markers' (:mod:`elastic.api.markers`), are
+        done (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        ready = self._placement.wait_for_standbys(timeout)
+        return markers.wait_warm(max(0.0, deadline - time.monotonic())) and ready

@@ -83,8 +83,7 @@ def test_the_marker_program_is_compiled_ahead_for_every_local_device():
     busy = step(state)
     StepMarkers().mark(busy, {})
     gate.set()
-    for t in [t for t in threading.enumerate() if t.name == "elastic-marker-warm"]:
-        t.join(60)
+    assert markers.wait_warm(60)
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
