@@ -27,19 +27,24 @@ def _state(mesh: Mesh) -> dict:
     }
 
 
-def test_a_marker_outlives_the_donation_and_is_ready_only_once_its_step_is():
-    mesh = _mesh(jax.devices()[:4])
-    gate = threading.Event()
+def _held_step(gate: threading.Event):
+    """A jitted step whose every output waits, on the device, until ``gate`` is set."""
 
     def held(x):
         gate.wait(60)
         return x
 
-    @jax.jit
-    def step(state):
-        w = io_callback(held, jax.ShapeDtypeStruct(state["w"].shape, state["w"].dtype), state["w"] * 2)
-        return {"w": w, "count": state["count"] + 1}
+    def step(s):
+        c = io_callback(held, jax.ShapeDtypeStruct((), jnp.float32), s["w"].sum())
+        return {"w": s["w"] * 2 + 0 * c, "count": s["count"] + 1 + 0 * c.astype(jnp.int32)}
 
+    return step
+
+
+def test_a_marker_outlives_the_donation_and_is_ready_only_once_its_step_is():
+    mesh = _mesh(jax.devices()[:4])
+    gate = threading.Event()
+    step = _held_step(gate)
     state = _state(mesh)
     jax.block_until_ready(state)
     marks = StepMarkers()
@@ -70,17 +75,7 @@ def test_the_marker_program_is_compiled_ahead_for_every_local_device():
     state = _state(mesh)
     jax.block_until_ready(state)
     gate = threading.Event()
-
-    def held(x):
-        gate.wait(60)
-        return x
-
-    @jax.jit
-    def step(s):
-        c = io_callback(held, jax.ShapeDtypeStruct((), jnp.float32), s["w"].sum())
-        return {"w": s["w"] + 0 * c, "count": s["count"] + 1 + 0 * c.astype(jnp.int32)}
-
-    busy = step(state)
+    busy = jax.jit(_held_step(gate))(state)
     StepMarkers().mark(busy, {})
     gate.set()
     assert markers.wait_warm(60)
