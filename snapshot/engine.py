@@ -76,9 +76,9 @@ class HostEngine:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._warm: set[tuple[Any, ...]] = set()  # the device-side copies compiled (device, then each shape, dtype)
-        self._met: set[tuple[Any, ...]] = set()  # every key met (one whose compile failed stays cold)
-        self._cold: dict[tuple[Any, ...], list[jax.ShapeDtypeStruct]] = {}  # met, not compiled yet
+        # each device-side copy met (device, then each shape, dtype): its specs while not compiled yet, True once
+        # compiled, False once its compile was tried (failed or under way: staged with ``device_put`` meanwhile)
+        self._copies: dict[tuple[Any, ...], list[jax.ShapeDtypeStruct] | bool] = {}
 
     def stage_pieces(self, pieces: list[tuple[list[jax.Array], list[Any]]]) -> list[list[Any]]:
         """A piece whose shards are computed: zero-copy views. One still being computed: a device-side copy of its
@@ -98,11 +98,10 @@ class HostEngine:
             firsts = [pieces[n][0][0] for n in numbers]
             key = (device, *((x.shape, x.dtype) for x in firsts))
             with self._lock:
-                warm = key in self._warm
-                if key not in self._met:
-                    self._met.add(key)
-                    self._cold[key] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in firsts]
-            if warm:
+                compiled = self._copies.setdefault(
+                    key, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in firsts]
+                )
+            if compiled is True:
                 landed = _copy_all(firsts)
             else:
                 landed = jax.device_put(firsts, [SingleDeviceSharding(device, memory_kind="pinned_host")] * len(firsts))
@@ -115,12 +114,13 @@ class HostEngine:
         once: a compile that raises leaves its shapes on the ``device_put`` path)."""
         while True:
             with self._lock:
-                if not self._cold:
+                key = next((k for k, v in self._copies.items() if isinstance(v, list)), None)
+                if key is None:
                     return
-                key, specs = self._cold.popitem()
+                specs, self._copies[key] = self._copies[key], False
             _copy_all.lower(specs).compile()
             with self._lock:
-                self._warm.add(key)
+                self._copies[key] = True
 
     def write(self, staged: np.ndarray | jax.Array, dest: Any, slice_: int, buffer: np.ndarray | None) -> Copy:
         return self._write(staged, dest, slice_, buffer, None)

@@ -111,7 +111,6 @@ class Run:
         self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
         self._markers = StepMarkers()
         self._rows_checked: set[int] = set()  # batch sizes checked to split over every device count
-        self._put: Callable[[Any], Any] | None = None
 
     @property
     def epoch(self) -> int:
@@ -284,9 +283,12 @@ class Run:
         if rows not in self._rows_checked:
             check_batch_splits(rows, self._host.config, what="a batch")
             self._rows_checked.add(rows)
-        if self._put is None:  # one sharding and one guarded transfer per pass, not one per step
-            self._put = functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
-        return self._put(batch)
+        return self._put_batch(batch)
+
+    @functools.cached_property
+    def _put_batch(self) -> Callable[[Any], Any]:
+        """One sharding and one guarded transfer per pass, not one per step."""
+        return functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""

@@ -26,8 +26,8 @@ metric is tagged ``job``; Ray exports it with a ``ray_`` prefix (a counter also 
 Ray records a histogram's sum from its buckets' midpoints: use the counts, not the sums. Ray drops a
 gauge that was not set for two report intervals, so a thread sets the gauges again every second while
 the job runs and for a minute after it finished (a job whose process is gone leaves no gauges behind).
-Commits are counted on the loop's thread and passed to Ray by that thread too, once a second (and at the end):
-the loop's thread makes no Ray metric call on a steady step. Nothing here raises into training: an error is
+Commits are counted on the loop's thread and passed to Ray by the refresher thread once a second (and at the
+end): the loop's thread makes no Ray metric call on a steady step. Nothing here raises into training: an error is
 logged once and that update is skipped.
 """
 
