@@ -8,6 +8,8 @@ keys are stored as their ``jax.random.key_data`` (``key_impl`` names the impleme
 
 from __future__ import annotations
 
+import copy as copylib
+import dataclasses
 import mmap
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors h
 __all__ = [
     "Index",
     "aligned_empty",
+    "owned",
     "fresh_shards",
     "owned_copy",
     "place",
@@ -98,6 +101,17 @@ class HostImage:
         """Host bytes of every piece of every leaf."""
         return sum(leaf.nbytes for leaf in self.leaves)
 
+    def private(self) -> HostImage:
+        """This image with every piece copied into memory this process owns (a view into Ray's object store dies
+        with the process that put it; a view of a snapshot's buffers changes with its next generation). ``meta``
+        is deep-copied too: numpy arrays in it arrive as read-only views, and ``meta_checksum`` (pickle protocol 5)
+        hashes a read-only array differently from a writable one."""
+        leaves = tuple(
+            dataclasses.replace(leaf, pieces=tuple(dataclasses.replace(p, data=owned(p.data)) for p in leaf.pieces))
+            for leaf in self.leaves
+        )
+        return dataclasses.replace(self, leaves=leaves, meta=copylib.deepcopy(self.meta))
+
     def verify(self) -> None:
         """Raise :class:`SnapshotCorruptError` if any piece or the controller state changed."""
         if meta_checksum(self.meta) != self.meta_checksum:
@@ -128,6 +142,13 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
         raw = np.empty(nbytes + align, dtype=np.uint8)
     offset = (-raw.ctypes.data) % align
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def owned(data: np.ndarray) -> np.ndarray:
+    """A writable copy of ``data`` in a buffer of this process's own (see :func:`aligned_empty`)."""
+    out = aligned_empty(data.shape, data.dtype)
+    np.copyto(out, data)
+    return out
 
 
 def _overlap(a: Index, b: Index) -> Index | None:

@@ -9,7 +9,6 @@ keeper, for tests and tools). :class:`~snapshot.keeper.KeeperTier` creates, feed
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import hmac
 import threading
@@ -25,21 +24,6 @@ from .image import HostImage, Index, assemble
 __all__ = ["Keeper"]
 
 log = structlog.get_logger("snapshot.keeper")
-
-
-def _private_copy(image: HostImage) -> HostImage:
-    """``image`` with every array copied into memory this process owns (object-store views are not).
-
-    ``meta`` is deep-copied too: numpy arrays in it arrive as read-only views, and ``meta_checksum``
-    (pickle protocol 5) hashes a read-only array differently from a writable one.
-    """
-    leaves = tuple(
-        dataclasses.replace(
-            leaf, pieces=tuple(dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces)
-        )
-        for leaf in image.leaves
-    )
-    return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
 
 
 @ray.remote(max_concurrency=4)  # type: ignore[call-overload]  # ray's stubs lack actor options
@@ -62,7 +46,7 @@ class Keeper:
     def put(self, image: HostImage, token: str | None = None) -> int:
         """Store a private copy of ``image``; return the bytes held afterwards."""
         self._allow(token, "put")
-        own = _private_copy(image)
+        own = image.private()
         with self._lock:
             dropped = [g.step for g in self._images if g.step >= own.step]
             self._images = [g for g in self._images if g.step < own.step] + [own]
@@ -78,7 +62,7 @@ class Keeper:
         Steps older than the ``keep`` newest whole ones go.
         Returns the bytes held afterwards."""
         self._allow(token, "put_part")
-        own = _private_copy(image)
+        own = image.private()
         with self._lock:
             for step in [s for s in self._parts if s > own.step]:  # this part rolled back: its future is void
                 self._parts[step].pop(part, None)

@@ -66,18 +66,6 @@ def select(image: HostImage, keep: Callable[[int, Index], bool]) -> HostImage | 
     return dataclasses.replace(image, leaves=leaves)
 
 
-def _private(image: HostImage) -> HostImage:
-    """``image`` with every piece copied into memory this process owns (a view from Ray's object store dies with
-    the process that put it)."""
-    leaves = tuple(
-        dataclasses.replace(
-            leaf, pieces=tuple(dataclasses.replace(p, data=np.array(p.data, copy=True)) for p in leaf.pieces)
-        )
-        for leaf in image.leaves
-    )
-    return dataclasses.replace(image, leaves=leaves, meta=copy.deepcopy(image.meta))
-
-
 class Holdings:
     """The newest ``keep`` generations of this worker's own shards, and of each buddy's. Thread-safe: peers'
     buddy copies and the driver's questions arrive on other threads than the loop's."""
@@ -187,7 +175,7 @@ class Holdings:
     # -- buddy copies --------------------------------------------------------------------------------------------
     def hold(self, slice_index: int, image: HostImage) -> None:
         """Keep a copy of ``slice_index``'s generation (private memory: the sender's may go)."""
-        own = _private(image)
+        own = image.private()
         with self._lock:
             held = self._buddies.setdefault(slice_index, {})
             for step in [s for s in held if s > own.step]:  # a rollback: those belong to a discarded future

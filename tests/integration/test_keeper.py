@@ -18,7 +18,7 @@ import ray
 
 from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier, keepers_for
-from elastic.snapshot.keeper_actor import Keeper, _private_copy
+from elastic.snapshot.keeper_actor import Keeper
 
 pytestmark = pytest.mark.integration
 
@@ -82,10 +82,10 @@ def assert_no_keepers_left(namespace: str, timeout: float = 20.0) -> None:
 def test_keeper_stores_private_copies_of_object_store_views(ray_local):
     view = ray.get(ray.put(make_image(4)), timeout=30)  # arrays here are read-only views into shared memory
     assert not view.leaves[0].pieces[0].data.flags.writeable
-    own = _private_copy(view)
+    own = view.private()
     for leaf_view, leaf_own in zip(view.leaves, own.leaves, strict=True):
         for pv, po in zip(leaf_view.pieces, leaf_own.pieces, strict=True):
-            assert po.data.flags.owndata and not np.shares_memory(po.data, pv.data)
+            assert po.data.flags.writeable and not np.shares_memory(po.data, pv.data)
     assert_same(own, make_image(4))
 
 
