@@ -845,3 +845,18 @@ def test_a_large_copy_buffer_comes_with_its_pages_in_place_and_a_small_one_is_al
     view = big[:4]  # the array alone holds its mapping open
     del big
     assert view.sum() == 4.0
+
+
+def test_the_shards_a_snapshots_views_kept_from_donation_are_released_by_its_thread_at_the_next_generation(make):
+    """A computed state is staged as views, which keep the next step from donating the viewed shards; the snapshot
+    thread keeps those shards until its next generation, so it (not the loop's thread, dropping the state a step
+    later) frees them."""
+    snap = make()
+    state = jax.block_until_ready(make_state())
+    saved(snap, 1, state)
+    first = list(snap._retired)
+    assert first and all(isinstance(a, jax.Array) and not a.is_deleted() for a in first)
+    del state  # the loop drops its state: the viewed shards stay held
+    assert all(not a.is_deleted() for a in snap._retired)
+    saved(snap, 2, jax.block_until_ready(make_state(seed=1)))
+    assert snap._retired and not {id(a) for a in snap._retired} & {id(a) for a in first}
