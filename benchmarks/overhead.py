@@ -26,7 +26,11 @@ the window's waits: ``steps_in_flight=2`` has each commit wait for the step befo
 queued behind it, ``window_waits_per_step`` and ``window_wait_seconds_per_step``; the plain loop's thread waits
 the same way inside its jitted calls, whose dispatch jax's CPU client holds once its queue is full,
 ``plain_dispatch_seconds_per_step``); ``library_cpu_seconds_per_step`` is the same less the host syncs' waits too
-(the library's own work per step).
+(the library's own work per step, in wall time). ``library_thread_cpu_seconds_per_step``: the CPU time the
+loop's thread used there (median per step, less the plain loop's for its batch transfer, less its waits',
+``wait_thread_cpu_seconds_per_step``, which poll the arrays' readiness every 5 ms at most): on these 2 cores 8 busy
+device threads share the cores with the loop's thread, so its wall time inside the library includes waiting to be
+scheduled (a step's 50 us of work measured 20-50 ms when the thread was preempted).
 
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's. An elastic loop's timed stretch starts once the
@@ -129,15 +133,16 @@ def plain(width: int, steps: int) -> dict[str, float]:
     state = jax.jit(init, out_shardings=NamedSharding(mesh, PartitionSpec()))(jax.random.key(0))
     fn = jax.jit(step, donate_argnums=0)
     times = []
-    transfers = []
+    transfers, transfer_cpu = [], []
     dispatches = []  # the time each fn call held the loop (jax's CPU client blocks it once its queue is full)
     losses = []
     t0 = time.perf_counter()
     for k in range(steps):
         host = batch(k, width)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         x = jax.device_put(host, rows)
         transfers.append(time.perf_counter() - t)
+        transfer_cpu.append(time.thread_time() - c)
         t = time.perf_counter()
         state, loss = fn(state, x)
         dispatches.append(time.perf_counter() - t)
@@ -158,6 +163,7 @@ def plain(width: int, steps: int) -> dict[str, float]:
         "step_seconds": (time.perf_counter() - t1) / (steps - 2),
         "first_step_seconds": first,
         "transfer_seconds": statistics.median(transfers[2:]),
+        "transfer_cpu_seconds": statistics.median(transfer_cpu[2:]),
         "dispatch_seconds": statistics.mean(dispatches[2:]),
         "state_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(state)),
     }
@@ -239,9 +245,11 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     init, step = make(width)
     stamps: dict[int, float] = {}
     inside: dict[int, float] = {}  # per step: seconds the loop's thread spent in run.steps, shard_batch and commit
+    inside_cpu: dict[int, float] = {}  # ... and the CPU seconds it used there, less its waits'
+    wait_cpu: dict[int, float] = {}  # the CPU seconds its waits used (they poll the arrays' readiness)
     # the library's waits for the devices: host syncs (after the wait the devices hold no step: the newest
     # dispatched one is computed too) and the window's (an older step, with the newest still queued behind it)
-    syncs = {"count": 0, "seconds": 0.0, "window_count": 0, "window_seconds": 0.0}
+    syncs = {"count": 0, "seconds": 0.0, "window_count": 0, "window_seconds": 0.0, "cpu": 0.0}
     waited: dict[int, float] = {}  # per step: seconds of its inside time spent waiting for the devices
     synced: dict[int, float] = {}  # ... of which in host syncs
     waits = run_module.wait_ready
@@ -255,10 +263,11 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     def counted(tree, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the library's own waits
         if computed(tree):
             return waits(tree, *args, **kwargs)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return waits(tree, *args, **kwargs)
         finally:
+            syncs["cpu"] += time.thread_time() - c  # the wait polls the arrays' readiness
             kind = "" if computed(newest[0]) else "window_"
             syncs[f"{kind}count"] += 1
             syncs[f"{kind}seconds"] += time.perf_counter() - t
@@ -268,20 +277,23 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         fn = run.jit(step, donate_argnums=0)
         steps = iter(run.steps)
         while True:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             k = next(steps, None)
-            spent = time.perf_counter() - t
+            spent, spent_cpu = time.perf_counter() - t, time.thread_time() - c
             if k is None:
                 break
             host = batch(k, width)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             x = run.shard_batch(host)
-            spent += time.perf_counter() - t
+            spent, spent_cpu = spent + time.perf_counter() - t, spent_cpu + time.thread_time() - c
             state, loss = fn(state, x)
             newest[0] = state
-            t, before, window = time.perf_counter(), syncs["seconds"], syncs["window_seconds"]
+            t, c, before, window = time.perf_counter(), time.thread_time(), syncs["seconds"], syncs["window_seconds"]
+            polled = syncs["cpu"]
             run.commit(state)
             inside[k] = spent + time.perf_counter() - t
+            inside_cpu[k] = spent_cpu + time.thread_time() - c - (syncs["cpu"] - polled)
+            wait_cpu[k] = syncs["cpu"] - polled
             synced[k] = syncs["seconds"] - before
             waited[k] = synced[k] + syncs["window_seconds"] - window
             if k == 1 and job.controller is not None:  # the one-time background compiles done: a steady day
@@ -332,6 +344,8 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         "window_wait_seconds_per_step": syncs["window_seconds"] / steps,
         "inside_seconds_per_step": statistics.median(inside[k] - (waited[k] - synced[k]) for k in range(2, steps)),
         "inside_less_waits_seconds_per_step": statistics.median(inside[k] - waited[k] for k in range(2, steps)),
+        "inside_thread_cpu_seconds_per_step": statistics.median(inside_cpu[k] for k in range(2, steps)),
+        "wait_thread_cpu_seconds_per_step": statistics.median(wait_cpu[k] for k in range(2, steps)),
     }
 
 
@@ -391,6 +405,11 @@ def main() -> int:
     transfer = statistics.mean([base["transfer_seconds"], again["transfer_seconds"]])
     out["library_seconds_per_step"] = round(runs["every10"]["inside_seconds_per_step"] - transfer, 4)
     out["library_cpu_seconds_per_step"] = round(runs["every10"]["inside_less_waits_seconds_per_step"] - transfer, 4)
+    transfer_cpu = statistics.mean([base["transfer_cpu_seconds"], again["transfer_cpu_seconds"]])
+    out["library_thread_cpu_seconds_per_step"] = round(
+        runs["every10"]["inside_thread_cpu_seconds_per_step"] - transfer_cpu, 5
+    )
+    out["wait_thread_cpu_seconds_per_step"] = round(runs["every10"]["wait_thread_cpu_seconds_per_step"], 5)
     out["snapshotter_ratio_every1"] = round(saving["ours"]["step_seconds"] / plain_step, 3)
     out["orbax_ratio_every1"] = round(saving["orbax"]["step_seconds"] / plain_step, 3)
     out["save_return_seconds_median"] = round(saving["ours"]["save_return_median"], 4)
