@@ -30,7 +30,8 @@ the same way inside its jitted calls, whose dispatch jax's CPU client holds once
 loop's thread used there (median per step, less the plain loop's for its batch transfer, less its waits',
 ``wait_thread_cpu_seconds_per_step``, which poll the arrays' readiness every 5 ms at most): on these 2 cores 8 busy
 device threads share the cores with the loop's thread, so its wall time inside the library includes waiting to be
-scheduled (a step's 50 us of work measured 20-50 ms when the thread was preempted).
+scheduled (dropping an all-donated state took 19-53 ms of wall time right after a step completed, when the next
+step's 8 device threads start).
 
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's. An elastic loop's timed stretch starts once the
