@@ -20,7 +20,7 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 from .engine import Copy, Engine
 from .errors import SnapshotCorruptError, SnapshotUnavailableError
-from .image import HostImage, Index, LeafImage, Piece, checksum, meta_checksum, owned, place, region, wrap_keys
+from .image import HostImage, Index, LeafImage, Piece, checksum, host_copy, meta_checksum, place, region, wrap_keys
 
 __all__ = ["Generation", "LeafRecord", "PieceRecord", "Guard", "reachable", "restore_generation", "to_image"]
 
@@ -165,7 +165,7 @@ def to_image(gen: Generation, engine: Engine, available: set[Any], *, copy: bool
                 raise SnapshotUnavailableError(gen.step, i, tuple(sorted({c.slice for c in p.copies})))
             data = engine.host_view(c)
             if copy:
-                data = owned(data)
+                data = host_copy(data)
             else:
                 data = data.view()
                 data.flags.writeable = False

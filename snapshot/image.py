@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # jax is imported where arrays are placed, so keeper actors h
 __all__ = [
     "Index",
     "aligned_empty",
-    "owned",
+    "host_copy",
     "fresh_shards",
     "owned_copy",
     "place",
@@ -107,7 +107,7 @@ class HostImage:
         is deep-copied too: numpy arrays in it arrive as read-only views, and ``meta_checksum`` (pickle protocol 5)
         hashes a read-only array differently from a writable one."""
         leaves = tuple(
-            dataclasses.replace(leaf, pieces=tuple(dataclasses.replace(p, data=owned(p.data)) for p in leaf.pieces))
+            dataclasses.replace(leaf, pieces=tuple(dataclasses.replace(p, data=host_copy(p.data)) for p in leaf.pieces))
             for leaf in self.leaves
         )
         return dataclasses.replace(self, leaves=leaves, meta=copylib.deepcopy(self.meta))
@@ -144,7 +144,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def owned(data: np.ndarray) -> np.ndarray:
+def host_copy(data: np.ndarray) -> np.ndarray:
     """A writable copy of ``data`` in a buffer of this process's own (see :func:`aligned_empty`)."""
     out = aligned_empty(data.shape, data.dtype)
     np.copyto(out, data)
