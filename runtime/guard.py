@@ -2,14 +2,16 @@
 
 Real backends raise ``JaxRuntimeError`` from dispatch or when a result is awaited; simulated slices
 raise the same error here, before dispatch and again once the result is ready (a slice killed
-mid-step loses that step's result). A wait with a bound polls the results' readiness and raises
-:class:`StepHungError` past it (a hung collective, a wedged device): the step watchdog.
+mid-step loses that step's result). A wait with a bound raises :class:`StepHungError` past it (a hung
+collective, a wedged device): the step watchdog. It does not poll: a waiter thread blocks in
+``jax.block_until_ready`` while the caller sleeps on an event with the bound as its timeout.
 """
 
 from __future__ import annotations
 
 import functools
-import time
+import queue
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -20,10 +22,6 @@ from . import hangs, simulated
 __all__ = ["StepHungError", "guarded", "wait_ready"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_POLL_MIN_S = 1e-4
-_POLL_MAX_S = 5e-3  # a result is seen at most this late (or 5% of the wait so far, if less)
-
 
 class StepHungError(TimeoutError):
     """A computation made no progress within its bound: its results never became ready."""
@@ -67,17 +65,51 @@ def _poll(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint
         for leaf in jax.tree_util.tree_leaves(tree)
         if isinstance(leaf, jax.Array)
     ]
-    start = time.monotonic()
-    deadline = start + timeout_s
-    for i, array in enumerate(arrays):  # an array once ready stays ready: each is checked until it is
-        while not array.is_ready():
-            now = time.monotonic()
-            if now >= deadline:
-                simulated.check_devices(devices)  # a slice lost meanwhile is a slice loss, not a hang
-                pending = sum(not a.is_ready() for a in arrays[i:])
-                hangs.abort(devices)
-                raise StepHungError(what, timeout_s, pending=pending, total=len(arrays), hint=hint)
-            time.sleep(min(max((now - start) * 0.05, _POLL_MIN_S), _POLL_MAX_S, deadline - now))
+    if all(a.is_ready() for a in arrays):
+        return
+    if _waiters.wait(arrays, timeout_s):
+        return
+    simulated.check_devices(devices)  # a slice lost meanwhile is a slice loss, not a hang
+    pending = sum(not a.is_ready() for a in arrays)
+    hangs.abort(devices)
+    raise StepHungError(what, timeout_s, pending=pending, total=len(arrays), hint=hint)
+
+
+class _Waiters:
+    """Daemon threads that block in ``jax.block_until_ready`` on behalf of bounded waits, which sleep on an event
+    instead of polling readiness (the loop's thread stays off the cores the devices compute on). A thread returns
+    to the idle ones once its arrays are ready; one still blocked past its wait's bound (a hung computation, its
+    arrays held until it completes or is aborted) is never handed another wait."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[tuple[list[Any], threading.Event]]] = []
+        self._lock = threading.Lock()
+
+    def wait(self, arrays: list[Any], timeout_s: float) -> bool:
+        """True once ``arrays`` are all ready (computed or failed); False past ``timeout_s``."""
+        done = threading.Event()
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="elastic-ready-waiter", daemon=True).start()
+        jobs.put((arrays, done))
+        return done.wait(timeout_s)
+
+    def _serve(self, jobs: queue.SimpleQueue[tuple[list[Any], threading.Event]]) -> None:
+        while True:
+            arrays, done = jobs.get()
+            try:
+                jax.block_until_ready(arrays)
+            except Exception:  # noqa: BLE001, S110 - a failed computation is ready too: the caller's own wait raises it
+                pass
+            del arrays
+            with self._lock:
+                self._idle.append(jobs)  # before the event: the next wait finds this thread idle
+            done.set()
+
+
+_waiters = _Waiters()
 
 
 def guarded(fn: F, devices: Iterable[Any]) -> F:
