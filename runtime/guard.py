@@ -10,6 +10,7 @@ collective, a wedged device): the step watchdog. It does not poll: a waiter thre
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -22,6 +23,7 @@ from . import hangs, simulated
 __all__ = ["StepHungError", "guarded", "wait_ready"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
 
 class StepHungError(TimeoutError):
     """A computation made no progress within its bound: its results never became ready."""
@@ -83,6 +85,12 @@ class _Waiters:
 
     def __init__(self) -> None:
         self._idle: list[queue.SimpleQueue[tuple[list[Any], threading.Event]]] = []
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """A forked child has none of the parent's threads: it starts its own."""
+        self._idle = []
         self._lock = threading.Lock()
 
     def wait(self, arrays: list[Any], timeout_s: float) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -279,3 +280,18 @@ def test_a_waiter_blocked_past_its_bound_is_not_handed_the_next_wait():
     assert time.monotonic() - t0 < 5.0
     stuck.set()
     assert _waiters.wait([_Blocking(ready)], 10.0)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no jax computation
+def test_a_forked_child_starts_its_own_waiters():
+    """The parent's idle waiters are threads the child lacks: a bounded wait in a forked child still returns."""
+    from elastic.runtime.guard import _waiters
+
+    ready = threading.Event()
+    ready.set()
+    assert _waiters.wait([_Blocking(ready)], 10.0)  # the parent now has an idle waiter
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _waiters.wait([_Blocking(ready)], 5.0) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
