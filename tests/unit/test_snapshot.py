@@ -847,6 +847,40 @@ def test_a_large_copy_buffer_comes_with_its_pages_in_place_and_a_small_one_is_al
     assert view.sum() == 4.0
 
 
+def test_a_large_copy_buffer_is_populated_with_the_gil_released():
+    """Putting a large buffer's pages in place takes milliseconds per MiB here; the snapshot's copy threads do it
+    while the training loop's thread runs Python, so it must not hold the GIL: another thread keeps running
+    throughout (its longest pause well under the allocation's time; under the GIL it paused for all of it)."""
+    import threading
+    import time
+
+    from elastic.snapshot import image
+
+    image.aligned_empty((1 << 20,), np.dtype(np.float32))  # libc loaded, the kernel's support learnt
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.0002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.01)
+    t0 = time.perf_counter()
+    buf = image.aligned_empty((128 << 20,), np.dtype(np.float32))  # 512 MiB
+    took = time.perf_counter() - t0
+    stop.set()
+    thread.join()
+    assert image._madvise is not False, "MADV_POPULATE_WRITE unsupported here (Linux before 5.14)"
+    assert max(gaps) < took / 2, (max(gaps), took)
+    del buf
+
+
 def test_the_shards_a_snapshots_views_kept_from_donation_are_released_by_its_thread_at_the_next_generation(make):
     """A computed state is staged as views, which keep the next step from donating the viewed shards; the snapshot
     thread keeps those shards until its next generation, so it (not the loop's thread, dropping the state a step
