@@ -158,12 +158,13 @@ _madvise: Any = None  # libc's madvise once loaded (None: not yet); False once i
 def _populate(address: int, size: int) -> bool:
     """Put the pages of ``[address, address + size)`` in place, the GIL released; False where unsupported."""
     global _madvise  # noqa: PLW0603 - learnt once per process
-    if _madvise is None:
+    madvise = _madvise  # read once: another copy thread may learn meanwhile that it is unsupported
+    if madvise is None:
         try:
-            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise = _madvise = ctypes.CDLL(None, use_errno=True).madvise
         except (OSError, AttributeError):
-            _madvise = False
-    if _madvise is not False and _madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), _MADV_POPULATE_WRITE) == 0:
+            madvise = _madvise = False
+    if madvise is not False and madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), _MADV_POPULATE_WRITE) == 0:
         return True
     _madvise = False
     return False
