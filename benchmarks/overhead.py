@@ -28,10 +28,10 @@ the same way inside its jitted calls, whose dispatch jax's CPU client holds once
 ``plain_dispatch_seconds_per_step``); ``library_cpu_seconds_per_step`` is the same less the host syncs' waits too
 (the library's own work per step, in wall time). ``library_thread_cpu_seconds_per_step``: the CPU time the
 loop's thread used there (median per step, less the plain loop's for its batch transfer, less its waits',
-``wait_thread_cpu_seconds_per_step``, which poll the arrays' readiness every 5 ms at most): on these 2 cores 8 busy
-device threads share the cores with the loop's thread, so its wall time inside the library includes waiting to be
-scheduled (dropping an all-donated state took 19-53 ms of wall time right after a step completed, when the next
-step's 8 device threads start).
+``wait_thread_cpu_seconds_per_step``: they sleep on an event while a waiter thread blocks on the arrays): its wall
+time inside the library includes time off the CPU, waiting for one of the 2 cores beside 8 busy device threads or
+for the GIL (dropping an all-donated state took 23-53 ms of wall time at some steps, right after a step completed,
+while another thread returned hundreds of MiB to the system; see docs/benchmarks.md).
 
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's. An elastic loop's timed stretch starts once the
@@ -247,7 +247,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     stamps: dict[int, float] = {}
     inside: dict[int, float] = {}  # per step: seconds the loop's thread spent in run.steps, shard_batch and commit
     inside_cpu: dict[int, float] = {}  # ... and the CPU seconds it used there, less its waits'
-    wait_cpu: dict[int, float] = {}  # the CPU seconds its waits used (they poll the arrays' readiness)
+    wait_cpu: dict[int, float] = {}  # the CPU seconds its waits used
     # the library's waits for the devices: host syncs (after the wait the devices hold no step: the newest
     # dispatched one is computed too) and the window's (an older step, with the newest still queued behind it)
     syncs = {"count": 0, "seconds": 0.0, "window_count": 0, "window_seconds": 0.0, "cpu": 0.0}
@@ -268,7 +268,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         try:
             return waits(tree, *args, **kwargs)
         finally:
-            syncs["cpu"] += time.thread_time() - c  # the wait polls the arrays' readiness
+            syncs["cpu"] += time.thread_time() - c
             kind = "" if computed(newest[0]) else "window_"
             syncs[f"{kind}count"] += 1
             syncs[f"{kind}seconds"] += time.perf_counter() - t

@@ -54,13 +54,13 @@ def wait_ready(
     """
     devices = tuple(devices)
     if timeout_s is not None:
-        _poll(tree, devices, timeout_s, what, hint)
+        _wait_bounded(tree, devices, timeout_s, what, hint)
     jax.block_until_ready(tree)  # ready by now, unless unbounded: raises a computation's error
     simulated.check_devices(devices)
     return tree
 
 
-def _poll(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint: str) -> None:
+def _wait_bounded(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint: str) -> None:
     """Return once every array of ``tree`` is ready (done or failed); ``StepHungError`` past ``timeout_s``."""
     arrays: list[Any] = [
         getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's

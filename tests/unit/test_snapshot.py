@@ -858,7 +858,7 @@ def test_a_large_copy_buffer_is_populated_with_the_gil_released():
 
     image.aligned_empty((1 << 20,), np.dtype(np.float32))  # libc loaded, the kernel's support learnt
     gaps: list[float] = []
-    stop = threading.Event()
+    stop, ticking = threading.Event(), threading.Event()
 
     def ticker() -> None:
         last = time.perf_counter()
@@ -867,10 +867,11 @@ def test_a_large_copy_buffer_is_populated_with_the_gil_released():
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
+            ticking.set()
 
     thread = threading.Thread(target=ticker)
     thread.start()
-    time.sleep(0.01)
+    assert ticking.wait(10)
     t0 = time.perf_counter()
     buf = image.aligned_empty((128 << 20,), np.dtype(np.float32))  # 512 MiB
     took = time.perf_counter() - t0
