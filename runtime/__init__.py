@@ -3,6 +3,8 @@
 from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from .freeing import flush as flush_releases
+from .freeing import release
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
@@ -27,12 +29,14 @@ __all__ = (
     "build_mesh",
     "check_structure",
     "classify_failure",
+    "flush_releases",
     "guarded",
     "hangs",
     "is_recoverable",
     "is_slice_loss",
     "plan_microbatches",
     "probe_slices",
+    "release",
     "replicated",
     "reshard",
     "simulated",

@@ -27,7 +27,7 @@ from elastic.api.data import DataIterator, Source, open_data, record_positions
 from elastic.api.markers import StepMarkers
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
-from elastic.runtime import batch_sharding, guarded, hangs, wait_ready
+from elastic.runtime import batch_sharding, guarded, hangs, release, wait_ready
 from elastic.supervision.membership import View
 
 __all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
@@ -211,12 +211,17 @@ class Run:
             wait_ready(waitable, self._devices, timeout_s=bound, what=what, hint=self._hang_hint)
             self._unseen = None if waitable or bound is None else (first, bound)
             self._unconfirmed.popleft()
-            self.state = u.state
+            previous, self.state = self.state, u.state
             live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
             try:
                 self._host.committed(self, u.step, u.state, u.batch, u.metrics)
             finally:
                 self.extras = live
+            # A donated state, the step's metrics and its marker hold little memory, but each free can wait on an
+            # allocator's lock: they are dropped on another thread (a state still holding its buffers is not).
+            release((previous, u.metrics, u.marker))
+            u.metrics, u.marker = {}, None
+            del previous
 
     def data(self, source: Source, *, name: str = "data") -> DataIterator:
         """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
