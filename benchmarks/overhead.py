@@ -30,8 +30,10 @@ the same way inside its jitted calls, whose dispatch jax's CPU client holds once
 loop's thread used there (median per step, less the plain loop's for its batch transfer, less its waits',
 ``wait_thread_cpu_seconds_per_step``: they sleep on an event while a waiter thread blocks on the arrays): its wall
 time inside the library includes time off the CPU, waiting for one of the 2 cores beside 8 busy device threads or
-for the GIL (dropping an all-donated state took 23-53 ms of wall time at some steps, right after a step completed,
-while another thread returned hundreds of MiB to the system; see docs/benchmarks.md).
+for the GIL (see docs/benchmarks.md). ``library_seconds_per_step_in_place`` and
+``library_thread_cpu_seconds_per_step_in_place``: the same two, less the batch's transfer timed where it runs, inside
+``shard_batch`` at each step, instead of the plain loop's median transfer (``transfer_seconds_elastic`` and
+``transfer_seconds_plain``: the same 4 MiB transfer's median took 0.7 ms in one plain run and 2.2 ms in the next).
 
 Figures: ``state_bytes``; ``plain_step_seconds`` and each loop's mean step time (steps after the first two of a
 pass: compiles excluded) with its ``ratio_*`` over the plain loop's. An elastic loop's timed stretch starts once the
@@ -248,6 +250,10 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     inside: dict[int, float] = {}  # per step: seconds the loop's thread spent in run.steps, shard_batch and commit
     inside_cpu: dict[int, float] = {}  # ... and the CPU seconds it used there, less its waits'
     wait_cpu: dict[int, float] = {}  # the CPU seconds its waits used
+    # per step: the batch's transfer inside shard_batch (the one the plain loop makes too), its seconds and CPU
+    transfer: dict[int, float] = {}
+    transfer_cpu: dict[int, float] = {}
+    moved = {"seconds": 0.0, "cpu": 0.0}
     # the library's waits for the devices: host syncs (after the wait the devices hold no step: the newest
     # dispatched one is computed too) and the window's (an older step, with the newest still queued behind it)
     syncs = {"count": 0, "seconds": 0.0, "window_count": 0, "window_seconds": 0.0, "cpu": 0.0}
@@ -276,6 +282,16 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     def loop(run):  # noqa: ANN001, ANN202
         state = run.state
         fn = run.jit(step, donate_argnums=0)
+        put = run._put_batch  # noqa: SLF001 - the transfer inside shard_batch, timed where it runs
+
+        def timed_put(host):  # noqa: ANN001, ANN202
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return put(host)
+            finally:
+                moved["seconds"], moved["cpu"] = time.perf_counter() - t, time.thread_time() - c
+
+        run.__dict__["_put_batch"] = timed_put
         steps = iter(run.steps)
         while True:
             t, c = time.perf_counter(), time.thread_time()
@@ -294,6 +310,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
             run.commit(state)
             inside[k] = spent + time.perf_counter() - t
             inside_cpu[k] = spent_cpu + time.thread_time() - c - (syncs["cpu"] - polled)
+            transfer[k], transfer_cpu[k] = moved["seconds"], moved["cpu"]
             wait_cpu[k] = syncs["cpu"] - polled
             synced[k] = syncs["seconds"] - before
             waited[k] = synced[k] + syncs["window_seconds"] - window
@@ -347,6 +364,12 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         "inside_less_waits_seconds_per_step": statistics.median(inside[k] - waited[k] for k in range(2, steps)),
         "inside_thread_cpu_seconds_per_step": statistics.median(inside_cpu[k] for k in range(2, steps)),
         "wait_thread_cpu_seconds_per_step": statistics.median(wait_cpu[k] for k in range(2, steps)),
+        # the same, less the batch's transfer timed in place at each step (the plain loop's varies run to run)
+        "own_seconds_per_step": statistics.median(
+            inside[k] - (waited[k] - synced[k]) - transfer[k] for k in range(2, steps)
+        ),
+        "own_thread_cpu_seconds_per_step": statistics.median(inside_cpu[k] - transfer_cpu[k] for k in range(2, steps)),
+        "transfer_seconds": statistics.median(transfer[k] for k in range(2, steps)),
     }
 
 
@@ -410,6 +433,10 @@ def main() -> int:
     out["library_thread_cpu_seconds_per_step"] = round(
         runs["every10"]["inside_thread_cpu_seconds_per_step"] - transfer_cpu, 5
     )
+    out["library_seconds_per_step_in_place"] = round(runs["every10"]["own_seconds_per_step"], 4)
+    out["library_thread_cpu_seconds_per_step_in_place"] = round(runs["every10"]["own_thread_cpu_seconds_per_step"], 5)
+    out["transfer_seconds_elastic"] = round(runs["every10"]["transfer_seconds"], 4)
+    out["transfer_seconds_plain"] = round(transfer, 4)
     out["wait_thread_cpu_seconds_per_step"] = round(runs["every10"]["wait_thread_cpu_seconds_per_step"], 5)
     out["snapshotter_ratio_every1"] = round(saving["ours"]["step_seconds"] / plain_step, 3)
     out["orbax_ratio_every1"] = round(saving["orbax"]["step_seconds"] / plain_step, 3)

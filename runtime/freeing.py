@@ -8,10 +8,11 @@ on a 2-core machine). :func:`release` hands such a reference to one daemon threa
 
 Contract. ``release(obj)`` hands ``obj`` over only when its live arrays (jax arrays not deleted or donated,
 numpy arrays) hold at most ``SMALL`` bytes; a reference that holds more is left to the caller, so device and
-host memory are freed exactly when they were without this module. What is handed over is dropped soon, in
-order, by that thread (a jax array's destructor releases the GIL while it waits for the allocator). At most
-``BACKLOG`` handovers wait at once; past that the caller drops its own. :func:`flush` returns once everything
-handed over before it has been dropped. A forked child starts its own thread.
+host memory are freed exactly when they were without this module. What is handed over is dropped, in order,
+by that thread once the loop's thread is about to wait for the devices (:func:`wake`, called by
+``runtime.wait_ready``; waking it earlier would take the core from the loop's thread), or once ``WAKE_AT``
+handovers wait. At most ``BACKLOG`` wait at once; past that the caller drops its own. :func:`flush` returns once
+everything handed over before it has been dropped. A forked child starts its own thread.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BACKLOG", "SMALL", "flush", "held_bytes", "release"]
+__all__ = ["BACKLOG", "SMALL", "WAKE_AT", "flush", "held_bytes", "release", "wake"]
 
-BACKLOG = 64  # handovers waiting at most; past that, the caller drops its own
 SMALL = 1 << 20  # bytes of live arrays a handover may hold: what a step's metrics and markers hold, not a state
+WAKE_AT = 8  # handovers that wake the thread without a wait (a loop whose steps never wait for the devices)
+BACKLOG = 64  # handovers waiting at most; past that, the caller drops its own
 
 
 def held_bytes(obj: Any) -> int:
@@ -48,6 +50,7 @@ class _Releaser:
 
     def _forked(self) -> None:
         self._queue: collections.deque[Any] = collections.deque()
+        self._woken = False  # the thread may drop what is queued
         self._busy = 0  # handovers taken off the queue and not dropped yet
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -60,10 +63,20 @@ class _Releaser:
                 return  # the caller's reference is dropped as this frame returns: freed on its thread
             self._queue.append(obj)
             del obj
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="elastic-release", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            if len(self._queue) >= WAKE_AT:
+                self._wake()
+
+    def wake(self) -> None:
+        if self._queue:  # read without the lock: a handover racing this call is dropped at the next wake
+            with self._cond:
+                self._wake()
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="elastic-release", daemon=True)
+            self._thread.start()
+        self._woken = True
+        self._cond.notify()
 
     def flush(self) -> None:
         with self._cond:
@@ -75,8 +88,9 @@ class _Releaser:
     def _serve(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
+                self._cond.wait_for(lambda: self._woken and bool(self._queue))
                 obj = self._queue.popleft()
+                self._woken = bool(self._queue)  # drains what is queued, then sleeps until woken again
                 self._busy += 1
             del obj  # the drop itself, outside the lock
             with self._cond:
@@ -88,9 +102,14 @@ _releaser = _Releaser()
 
 
 def release(obj: Any) -> None:
-    """Drop this reference to ``obj`` on the release thread, when it holds at most ``SMALL`` bytes of live arrays
+    """Hand this reference to ``obj`` to the release thread, when it holds at most ``SMALL`` bytes of live arrays
     (the caller drops its own references)."""
     _releaser.release(obj)
+
+
+def wake() -> None:
+    """Let the release thread drop what it holds (the loop's thread is about to wait)."""
+    _releaser.wake()
 
 
 def flush() -> None:

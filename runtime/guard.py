@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import hangs, simulated
+from . import freeing, hangs, simulated
 
 __all__ = ["StepHungError", "guarded", "wait_ready"]
 
@@ -55,6 +55,8 @@ def wait_ready(
     devices = tuple(devices)
     if timeout_s is not None:
         _wait_bounded(tree, devices, timeout_s, what, hint)
+    elif not all(a.is_ready() for a in _arrays(tree)):
+        freeing.wake()  # this thread is about to block: the release thread's drops take no core from it
     jax.block_until_ready(tree)  # ready by now, unless unbounded: raises a computation's error
     simulated.check_devices(devices)
     return tree
@@ -62,19 +64,24 @@ def wait_ready(
 
 def _wait_bounded(tree: Any, devices: tuple[Any, ...], timeout_s: float, what: str, hint: str) -> None:
     """Return once every array of ``tree`` is ready (done or failed); ``StepHungError`` past ``timeout_s``."""
-    arrays: list[Any] = [
-        getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
-        for leaf in jax.tree_util.tree_leaves(tree)
-        if isinstance(leaf, jax.Array)
-    ]
+    arrays = _arrays(tree)
     if all(a.is_ready() for a in arrays):
         return
+    freeing.wake()  # this thread is about to sleep: the release thread's drops take no core from it
     if _waiters.wait(arrays, timeout_s):
         return
     simulated.check_devices(devices)  # a slice lost meanwhile is a slice loss, not a hang
     pending = sum(not a.is_ready() for a in arrays)
     hangs.abort(devices)
     raise StepHungError(what, timeout_s, pending=pending, total=len(arrays), hint=hint)
+
+
+def _arrays(tree: Any) -> list[Any]:
+    return [
+        getattr(leaf, "_base_array", leaf)  # a typed PRNG key array: readiness is its key data's
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if isinstance(leaf, jax.Array)
+    ]
 
 
 class _Waiters:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from elastic import ElasticConfig, Policy
-from elastic.runtime import flush_releases, release
-from elastic.runtime.freeing import BACKLOG, SMALL, held_bytes
+from elastic.runtime import flush_releases, release, wait_ready
+from elastic.runtime.freeing import BACKLOG, SMALL, WAKE_AT, held_bytes, wake
 from tests.unit.test_data import _Host, _run
+from tests.unit.test_watchdog import held
 
 
 class _Log(list[str]):
@@ -50,11 +51,44 @@ class _Dropped:
         self.log.add()
 
 
-def test_a_released_object_is_dropped_on_the_release_thread():
+def test_a_released_object_is_dropped_on_the_release_thread_once_woken():
     log = _Log()
     release(_Dropped(log))
+    wake()
     log.wait_for(1)
     assert log == ["elastic-release"]
+
+
+def test_enough_handovers_wake_the_release_thread_without_a_wait():
+    """A loop whose commits never wait for the devices still has its handovers dropped."""
+    log = _Log()
+    for _ in range(WAKE_AT):
+        release(_Dropped(log))
+    log.wait_for(WAKE_AT)
+    assert log == ["elastic-release"] * WAKE_AT
+
+
+def test_a_wait_for_the_devices_wakes_the_release_thread():
+    """The drops run while the loop's thread waits for a step (here one held in a host callback), not before."""
+    devices = tuple(jax.devices()[:2])
+    gate = threading.Event()
+    fn, x = held(devices, gate)
+    gate.set()
+    jax.block_until_ready(fn(x))  # compiled: the next call is dispatched, not computed inline
+    gate.clear()
+    log = _Log()
+    try:
+        out = fn(x)
+        assert not out.is_ready()
+        release(_Dropped(log))
+        waiting = threading.Thread(target=wait_ready, args=(out, devices), kwargs={"timeout_s": 60.0})
+        waiting.start()
+        log.wait_for(1)  # dropped while the step is still held: the wait woke the release thread
+        assert not out.is_ready()
+        assert log == ["elastic-release"]
+    finally:
+        gate.set()
+    waiting.join(60)
 
 
 def test_flush_returns_once_everything_released_before_it_is_dropped():
@@ -62,6 +96,7 @@ def test_flush_returns_once_everything_released_before_it_is_dropped():
     log = _Log()
     gate, entered = threading.Event(), threading.Event()
     release(_Dropped(log, gate, entered))
+    wake()
     assert entered.wait(30)  # the release thread is inside that drop
     release(_Dropped(log))
     flusher = threading.Thread(target=flush_releases, name="flusher")
@@ -79,6 +114,7 @@ def test_past_the_backlog_the_caller_drops_its_own():
     log = _Log()
     gate, entered = threading.Event(), threading.Event()
     release(_Dropped(log, gate, entered))
+    wake()
     assert entered.wait(30)  # the release thread is inside that drop: the queue is empty
     for _ in range(BACKLOG):
         release(_Dropped(log))
@@ -106,11 +142,13 @@ def test_a_reference_holding_a_state_s_memory_is_dropped_by_the_caller():
 def test_a_forked_child_starts_its_own_release_thread():
     log = _Log()
     release(_Dropped(log))
+    wake()
     log.wait_for(1)  # the parent's release thread exists now
     pid = os.fork()
     if pid == 0:
         child = _Log()
         release(_Dropped(child))
+        wake()
         child.wait_for(1)
         os._exit(0 if child == ["elastic-release"] else 1)
     _, status = os.waitpid(pid, 0)
@@ -153,6 +191,7 @@ def test_run_frees_the_states_it_confirms_past_off_the_loop_thread():
         state.tracked = True
         run.commit(state)
     del state
+    wake()  # these steps never waited for the devices (each was ready at its commit)
     _State.drops.wait_for(6)
     assert _State.drops == ["elastic-release"] * 6  # the initial state's and steps 0-4's, as steps 0-5 were confirmed
     assert float(run.state.w[0]) == 6.0
