@@ -78,7 +78,6 @@ class LocalPlacement:
         before, self._active = self._active, len(view.active)
         self._prepared = self._state = None
         self._fresh = self._soon = False
-        runtime.flush_releases()  # the states the last pass let go of are freed before this one allocates
         if live and moving is not None:
             moved = runtime.guarded(runtime.reshard, devices)(moving.state, shardings)
             during("grow" if len(view.active) > before else "reshard", moving.next_step, view)

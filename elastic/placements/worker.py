@@ -273,7 +273,6 @@ class SliceWorker:
             distributed.disconnect()
         self._tiers.close(timeout_s=30.0)
         self._prepared = self._final = None
-        runtime.flush_releases()  # the states the last pass let go of are freed before this one allocates
         phases["end_group"] = time.monotonic() - start
         with self._lock:
             self._epoch = plan.epoch
