@@ -4,7 +4,7 @@ from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
 from .freeing import flush as flush_releases
-from .freeing import release
+from .freeing import held_bytes, release
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
@@ -32,6 +32,7 @@ __all__ = (
     "flush_releases",
     "guarded",
     "hangs",
+    "held_bytes",
     "is_recoverable",
     "is_slice_loss",
     "plan_microbatches",

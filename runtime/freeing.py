@@ -11,8 +11,8 @@ numpy arrays) hold at most ``SMALL`` bytes; a reference that holds more is left 
 host memory are freed exactly when they were without this module. What is handed over is dropped, in order,
 by that thread once the loop's thread is about to wait for the devices (:func:`wake`, called by
 ``runtime.wait_ready``; waking it earlier would take the core from the loop's thread), or once ``WAKE_AT``
-handovers wait. At most ``BACKLOG`` wait at once; past that the caller drops its own. :func:`flush` returns once
-everything handed over before it has been dropped. A forked child starts its own thread.
+handovers wait. At most ``BACKLOG`` wait at once; past that the caller drops its own. :func:`flush` drops what
+waits on its caller's thread and waits, bounded, for a drop in progress. A forked child starts its own thread.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ class _Releaser:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def release(self, obj: Any) -> None:
-        if held_bytes(obj) > SMALL:
+    def release(self, obj: Any, held: int | None) -> None:
+        if (held_bytes(obj) if held is None else held) > SMALL:
             return  # a state's memory: freed where the caller drops its own reference, as it would be
-        with self._cond:
-            if len(self._queue) >= BACKLOG:
-                return  # the caller's reference is dropped as this frame returns: freed on its thread
-            self._queue.append(obj)
-            del obj
-            if len(self._queue) >= WAKE_AT:
+        if len(self._queue) >= BACKLOG:
+            return  # the caller's reference is dropped as this frame returns: freed on its thread
+        self._queue.append(obj)  # atomic: the thread takes from the left under the lock, flush likewise
+        del obj
+        if len(self._queue) >= WAKE_AT:
+            with self._cond:
                 self._wake()
 
     def wake(self) -> None:
@@ -78,12 +78,14 @@ class _Releaser:
         self._woken = True
         self._cond.notify()
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float) -> bool:
         with self._cond:
-            taken = list(self._queue)  # dropped here, on the caller's thread, rather than waited for
-            self._queue.clear()
-            self._cond.wait_for(lambda: self._busy == 0)
+            taken = []  # dropped here, on the caller's thread, rather than waited for
+            while self._queue:
+                taken.append(self._queue.popleft())
+            done = self._cond.wait_for(lambda: self._busy == 0, timeout_s)
         del taken
+        return done
 
     def _serve(self) -> None:
         while True:
@@ -101,10 +103,10 @@ class _Releaser:
 _releaser = _Releaser()
 
 
-def release(obj: Any) -> None:
+def release(obj: Any, *, held: int | None = None) -> None:
     """Hand this reference to ``obj`` to the release thread, when it holds at most ``SMALL`` bytes of live arrays
-    (the caller drops its own references)."""
-    _releaser.release(obj)
+    (the caller drops its own references). ``held``: those bytes, when the caller knows them (not measured)."""
+    _releaser.release(obj, held)
 
 
 def wake() -> None:
@@ -112,6 +114,7 @@ def wake() -> None:
     _releaser.wake()
 
 
-def flush() -> None:
-    """Return once every reference handed to :func:`release` so far has been dropped."""
-    _releaser.flush()
+def flush(timeout_s: float = 10.0) -> bool:
+    """Drop what is queued, on the caller's thread, and wait up to ``timeout_s`` for a drop in progress: True once
+    every reference handed to :func:`release` so far has been dropped."""
+    return _releaser.flush(timeout_s)

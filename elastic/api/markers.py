@@ -1,9 +1,11 @@
 """Step markers: something to wait on for a step whose state the next step donates.
 
 With ``steps_in_flight`` above 1, ``run.commit`` of step k waits for step k-1; when k-1's state was donated to
-step k and no metrics were committed, nothing of k-1 is left to wait on. A marker is one element of one
-device's shard of a leaf of k-1's state, copied out by a tiny program dispatched at k-1's commit: it is queued
-behind k-1 on that device, outlives the donation, and is ready once k-1's result there is.
+step k and no metrics were committed, nothing of k-1 is left to wait on. A marker is what is waited on instead.
+When the call that computed k-1's state (through ``run.jit``/``run.guard``) returned something else too, such as
+the step's loss, that other output is the marker (:func:`sibling`): it costs nothing to make. Otherwise a marker
+is one element of one device's shard of a leaf of k-1's state, copied out by a tiny program dispatched at k-1's
+commit: it is queued behind k-1 on that device, outlives the donation, and is ready once k-1's result there is.
 
 The marked leaf is chosen once per pass: the smallest leaf still being computed (typically a replicated scalar,
 such as an optimizer's step count, whose shard keeps its shape on every mesh). The marker's program is compiled
@@ -21,8 +23,9 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
-__all__ = ["StepMarkers", "wait_warm"]
+__all__ = ["StepMarkers", "sibling", "wait_warm"]
 
+_SIBLING_BYTES = 1 << 16  # a step's output held as its marker: a loss or a few metrics, not its activations
 _PICK_TRIES = 3  # commits of a pass that look for a leaf being computed (a synchronous step leaves none)
 
 _tap = jax.jit(lambda x: x.reshape(-1)[:1])  # one element of one device's shard: a tiny single-device program
@@ -57,9 +60,13 @@ class StepMarkers:
         self._tries = 0
         self._dtype: Any = None  # the marked leaf's (a markable dtype: another leaf there is not marked)
 
-    def mark(self, state: Any, metrics: dict[str, Any]) -> jax.Array | None:
+    def mark(self, state: Any, metrics: dict[str, Any], outputs: Any = None) -> jax.Array | None:
+        """``outputs``: what the call that computed ``state`` returned, when known (see :func:`sibling`)."""
         if any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(metrics)):
             return None
+        found = sibling(state, outputs)
+        if found is not None:
+            return found
         leaves = jax.tree_util.tree_leaves(state)
         if self._at is None:
             if self._tries >= _PICK_TRIES:
@@ -74,6 +81,24 @@ class StepMarkers:
         if not isinstance(leaf, jax.Array) or leaf.dtype != self._dtype or leaf.is_deleted() or not _computing(leaf):
             return None
         return _tap(leaf.addressable_data(0))
+
+
+def sibling(state: Any, outputs: Any) -> jax.Array | None:
+    """The smallest array beside ``state`` among ``outputs``, what the call that computed it returned (a tuple
+    or list holding ``state`` itself, as in ``state, loss = step(state, batch)``), when it holds at most
+    ``_SIBLING_BYTES`` and is still being computed: typically the step's loss. Every output of one execution
+    is ready once that execution is, on every device, so it marks the step without a program of its own, and
+    the next step does not donate it. None when ``outputs`` is not such a tuple (another call's, or the state
+    alone) or holds no such array."""
+    if not isinstance(outputs, tuple | list) or not any(o is state for o in outputs):
+        return None
+    others = [x for o in outputs if o is not state for x in jax.tree_util.tree_leaves(o) if isinstance(x, jax.Array)]
+    if not others:
+        return None
+    best = min(others, key=lambda x: x.nbytes) if len(others) > 1 else others[0]
+    if (best.ndim and best.nbytes > _SIBLING_BYTES) or best.is_deleted() or not _computing(best):
+        return None  # computed already: a program's output is not ready before the program is done
+    return best
 
 
 def _pick(leaves: list[Any]) -> int | None:

@@ -27,7 +27,7 @@ from elastic.api.data import DataIterator, Source, open_data, record_positions
 from elastic.api.markers import StepMarkers
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
-from elastic.runtime import batch_sharding, guarded, hangs, release, wait_ready
+from elastic.runtime import batch_sharding, guarded, hangs, held_bytes, release, wait_ready
 from elastic.supervision.membership import View
 
 __all__ = ["LiveState", "Run", "RunHost", "Regroup", "batch_rows"]
@@ -111,6 +111,12 @@ class Run:
         self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
         self._markers = StepMarkers()
         self._rows_checked: set[int] = set()  # batch sizes checked to split over every device count
+        self._outputs: Any = None  # what the newest guarded call returned, until the next commit
+        self._donated = False  # whether ``self.state``'s arrays were all donated when it was confirmed
+        self._hint = (
+            f"step_timeout_s={host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
+            "can legitimately take longer"
+        )
 
     @property
     def epoch(self) -> int:
@@ -173,8 +179,9 @@ class Run:
             )
         self._pending = None
         record_positions(self.extras, self._data)  # the pipelines' positions after this step's batches
-        extras = self.extras if self._window == 1 else copy.deepcopy(self.extras)
+        extras = self.extras if self._window == 1 or not self.extras else copy.deepcopy(self.extras)
         keep = 0 if self._host.must_confirm(step) else self._window - 1
+        outputs, self._outputs = self._outputs, None
         self._unconfirmed.append(
             _Unconfirmed(
                 step=step,
@@ -183,7 +190,7 @@ class Run:
                 batch=step if batch is None else batch,
                 extras=extras,
                 first=first,
-                marker=self._markers.mark(state, metrics) if keep else None,  # the next step may donate it
+                marker=self._markers.mark(state, metrics, outputs) if keep else None,  # the next step may donate it
             )
         )
         self._confirm(keep=keep)
@@ -200,7 +207,9 @@ class Run:
         is covered by the next wait that has something, which gets each step it covers its own ``step_timeout_s``."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
-            waitable = _live((u.state, u.metrics)) or _live(u.marker)
+            live = _live(u.state)
+            waitable = live + _live(u.metrics) if u.metrics else live
+            waitable = waitable or _live(u.marker)
             first, earlier = self._unseen or (u.step, 0.0)
             own = self._host.config.step_wait_s(first=u.first)
             bound = None if own is None else earlier + own
@@ -208,18 +217,20 @@ class Run:
                 what = f"step {u.step}{' (the first of this pass)' if u.first else ''}"
             else:
                 what = f"steps {first}-{u.step} (the loop ran ahead of them)"
-            wait_ready(waitable, self._devices, timeout_s=bound, what=what, hint=self._hang_hint)
+            wait_ready(waitable, self._devices, timeout_s=bound, what=what, hint=self._hint)
             self._unseen = None if waitable or bound is None else (first, bound)
             self._unconfirmed.popleft()
             previous, self.state = self.state, u.state
-            live, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
+            donated, self._donated = self._donated, not live  # whether ``previous`` holds no live array
+            current, self.extras = self.extras, u.extras  # the confirmed step's positions, for its snapshot
             try:
                 self._host.committed(self, u.step, u.state, u.batch, u.metrics)
             finally:
-                self.extras = live
+                self.extras = current
             # A donated state, the step's metrics and its marker hold little memory, but each free can wait on an
             # allocator's lock: they are dropped on another thread (a state still holding its buffers is not).
-            release((previous, u.metrics, u.marker))
+            # A state seen donated at its own confirmation holds nothing: only the rest is measured.
+            release((previous, u.metrics, u.marker), held=held_bytes((u.metrics, u.marker)) if donated else None)
             u.metrics, u.marker = {}, None
             del previous
 
@@ -241,13 +252,6 @@ class Run:
         data = self.data(source, name=name)
         return ((step, next(data)) for step in self.steps)
 
-    @property
-    def _hang_hint(self) -> str:
-        return (
-            f"step_timeout_s={self._host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
-            "can legitimately take longer"
-        )
-
     def jit(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fn)`` dispatched through the runtime's guard on this mesh's devices; its first call
         is recorded so that it is compiled ahead for the meshes the job may move to. Refuses (``ConfigError``)
@@ -262,14 +266,20 @@ class Run:
         NNX modules, whose in-place updates ``jax.jit`` drops; an ``nnx.jit`` function keeps them)."""
         call = guarded(fn, self._devices)
         if not hasattr(fn, "lower"):
-            return call
+
+            @functools.wraps(fn)
+            def outputs_kept(*args: Any, **kwargs: Any) -> Any:
+                self._outputs = out = call(*args, **kwargs)
+                return out
+
+            return outputs_kept
         recorded = False
 
         @functools.wraps(fn)
         def first_call_recorded(*args: Any, **kwargs: Any) -> Any:
             nonlocal recorded
             nnx_transform = not recorded and _check_functional(fn, args, kwargs, where="run.jit/run.guard")
-            out = call(*args, **kwargs)
+            self._outputs = out = call(*args, **kwargs)  # the step's other outputs can mark it (markers.py)
             if not recorded:
                 recorded = True
                 if not kwargs and not nnx_transform:  # standby compiles jax.jit functions only
@@ -293,7 +303,7 @@ class Run:
     @functools.cached_property
     def _put_batch(self) -> Callable[[Any], Any]:
         """One sharding and one guarded transfer per pass, not one per step."""
-        return functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
+        return functools.partial(guarded(jax.device_put, self._devices), device=batch_sharding(self.mesh))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
@@ -312,6 +322,9 @@ def _check_functional(fn: Any, args: tuple[Any, ...] | None, kwargs: dict[str, A
 def batch_rows(batch: Any, *, what: str) -> int:
     """The leading (batch) size shared by every leaf of ``batch``; ``ConfigError`` when there is none.
     ``what`` starts the message (e.g. ``"batch_fn(3) returned"``)."""
+    shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(batch)]
+    if shapes and shapes[0] and all(shape and shape[0] == shapes[0][0] for shape in shapes):
+        return int(shapes[0][0])  # every step's case: the paths below only name what is wrong
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ConfigError(f"{what} no array leaves: a batch is a pytree of arrays whose leading dimension is the batch")

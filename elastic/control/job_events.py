@@ -31,7 +31,7 @@ class ClientEvents:
         self._snapshot = snapshot
         self._every_s = every_s
         self._last: tuple[float, int] | None = None  # (monotonic time, step) of the last progress record
-        self._slices: tuple[int, ...] | None = None
+        self._active: frozenset[int] | None = None  # ``view.active`` of the last progress record
 
     def attach(self, accounting: Accounting) -> ClientEvents:
         accounting.timeline.sinks.append(self.on_event)
@@ -46,9 +46,10 @@ class ClientEvents:
         return self.stream.flush(timeout_s)
 
     def on_commit(self, step: int, view: View) -> None:
-        now, slices = time.monotonic(), tuple(sorted(view.active))
-        if self._last is not None and slices == self._slices and now - self._last[0] < self._every_s:
-            return
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self._every_s and view.active == self._active:
+            return  # every commit's case: nothing to write
+        slices = tuple(sorted(view.active))
         rate = None
         if self._last is not None and now > self._last[0] and step > self._last[1]:
             rate = round((step - self._last[1]) / (now - self._last[0]), 3)
@@ -62,4 +63,4 @@ class ClientEvents:
             snapshot_step=snap[0] if snap else None,
             snapshot_tier=snap[1] if snap else None,
         )
-        self._last, self._slices = (now, step), slices
+        self._last, self._active = (now, step), view.active

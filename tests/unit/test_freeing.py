@@ -99,13 +99,16 @@ def test_flush_returns_once_everything_released_before_it_is_dropped():
     wake()
     assert entered.wait(30)  # the release thread is inside that drop
     release(_Dropped(log))
-    flusher = threading.Thread(target=flush_releases, name="flusher")
+    results: list[bool] = []
+    flusher = threading.Thread(target=lambda: results.append(flush_releases(60)), name="flusher")
     flusher.start()
     flusher.join(0.2)
     assert flusher.is_alive()  # the held drop has not finished: flush waits for it
+    assert flush_releases(0.05) is False  # ... within its bound: a stuck drop cannot hang the caller
     gate.set()
     flusher.join(30)
     assert not flusher.is_alive()
+    assert results == [True]
     assert sorted(log) == ["elastic-release", "flusher"]
 
 
@@ -195,3 +198,21 @@ def test_run_frees_the_states_it_confirms_past_off_the_loop_thread():
     _State.drops.wait_for(6)
     assert _State.drops == ["elastic-release"] * 6  # the initial state's and steps 0-4's, as steps 0-5 were confirmed
     assert float(run.state.w[0]) == 6.0
+
+
+def test_run_drops_the_states_that_still_hold_their_buffers_itself():
+    """A loop that does not donate: each confirmed-past state still holds its buffers (more than ``SMALL``), so it
+    is freed where it was before, on the loop's thread, as soon as it is confirmed past."""
+    config = ElasticConfig(job_name="keep", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2))
+    run = _run(_Host(config), 0, {})
+    state = run.state = _State(jnp.zeros(SMALL // 4 + 1))
+    state.tracked = True
+    _State.drops.clear()
+    step = jax.jit(lambda s: _State(s.w + 1))
+    for _ in run.steps:
+        state = step(state)
+        state.tracked = True
+        run.commit(state)
+    del state
+    assert _State.drops == [threading.current_thread().name] * 4  # the initial state's and steps 0-2's
+    assert float(run.state.w[0]) == 4.0

@@ -89,3 +89,32 @@ def test_the_marker_program_is_compiled_ahead_for_every_local_device():
     x = jax.device_put(jnp.zeros((), jnp.int32), other)
     jax.block_until_ready(markers._tap(x))
     assert _COMPILES[before:] == []
+
+
+def test_the_step_s_other_output_marks_it_without_a_program_of_its_own(monkeypatch):
+    """``state, loss = step(state)``: the loss is the marker (no tap dispatched), outlives the donation, and is
+    ready only once the step is; a call that did not compute the state, or a computed output, marks nothing."""
+    mesh = _mesh(jax.devices()[:4])
+    gate = threading.Event()
+    held = _held_step(gate)
+    state = _state(mesh)
+    jax.block_until_ready(state)
+
+    def step(s):
+        new = held(s)
+        return new, new["w"].mean()
+
+    fn = jax.jit(step, donate_argnums=0)
+    outputs = fn(state)
+    first, loss = outputs
+    monkeypatch.setattr(markers, "_tap", None)  # no marker program: calling it would fail
+    marker = StepMarkers().mark(first, {}, outputs)
+    assert marker is loss
+    assert markers.sibling(first, (jnp.zeros(2), loss)) is None  # another call's outputs: not this state's
+    second = fn(first)  # donates the marked step's state
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(first))
+    assert not marker.is_deleted() and not marker.is_ready()  # held with its step
+    gate.set()
+    jax.block_until_ready(second)
+    assert float(marker) == 2.0  # the loss: the mean of the weights after one step
+    assert markers.sibling(second[0], second) is None  # computed already: nothing to mark
