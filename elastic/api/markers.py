@@ -92,7 +92,13 @@ def sibling(state: Any, outputs: Any) -> jax.Array | None:
     alone) or holds no such array."""
     if not isinstance(outputs, tuple | list) or not any(o is state for o in outputs):
         return None
-    others = [x for o in outputs if o is not state for x in jax.tree_util.tree_leaves(o) if isinstance(x, jax.Array)]
+    others = [
+        x
+        for o in outputs
+        if o is not state
+        for x in jax.tree_util.tree_leaves(o)
+        if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # no PRNG keys
+    ]
     if not others:
         return None
     best = min(others, key=lambda x: x.nbytes) if len(others) > 1 else others[0]

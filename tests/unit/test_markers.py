@@ -118,3 +118,5 @@ def test_the_step_s_other_output_marks_it_without_a_program_of_its_own(monkeypat
     jax.block_until_ready(second)
     assert float(marker) == 2.0  # the loss: the mean of the weights after one step
     assert markers.sibling(second[0], second) is None  # computed already: nothing to mark
+    keyed = jax.jit(lambda s, k: (s + 1, jax.random.split(k)[0]))(jnp.zeros(4), jax.random.key(0))
+    assert markers.sibling(keyed[0], keyed) is None  # a typed PRNG key is not waited on
