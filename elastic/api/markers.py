@@ -2,8 +2,9 @@
 
 With ``steps_in_flight`` above 1, ``run.commit`` of step k waits for step k-1; when k-1's state was donated to
 step k and no metrics were committed, nothing of k-1 is left to wait on. A marker is what is waited on instead.
-When the call that computed k-1's state (through ``run.jit``/``run.guard``) returned something else too, such as
-the step's loss, that other output is the marker (:func:`sibling`): it costs nothing to make. Otherwise a marker
+When the call that computed k-1's state (a ``jax.jit`` function through ``run.jit`` or ``run.guard``: one
+execution) returned something else too, such as the step's loss, that other output is the marker
+(:func:`sibling`): it costs nothing to make. Otherwise a marker
 is one element of one device's shard of a leaf of k-1's state, copied out by a tiny program dispatched at k-1's
 commit: it is queued behind k-1 on that device, outlives the donation, and is ready once k-1's result there is.
 

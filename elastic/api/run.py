@@ -111,7 +111,7 @@ class Run:
         self._unseen: tuple[int, float] | None = None  # steps confirmed unwaited (donated ahead): first, bounds
         self._markers = StepMarkers()
         self._rows_checked: set[int] = set()  # batch sizes checked to split over every device count
-        self._outputs: Any = None  # what the newest guarded call returned, until the next commit
+        self._outputs: Any = None  # what the newest guarded jitted call returned, until the next commit
         self._donated = False  # whether ``self.state``'s arrays were all donated when it was confirmed
         self._hint = (
             f"step_timeout_s={host.config.step_timeout_s}; raise ElasticConfig.step_timeout_s if a step "
@@ -266,20 +266,15 @@ class Run:
         NNX modules, whose in-place updates ``jax.jit`` drops; an ``nnx.jit`` function keeps them)."""
         call = guarded(fn, self._devices)
         if not hasattr(fn, "lower"):
-
-            @functools.wraps(fn)
-            def outputs_kept(*args: Any, **kwargs: Any) -> Any:
-                self._outputs = out = call(*args, **kwargs)
-                return out
-
-            return outputs_kept
+            return call  # its outputs may come from several executions: none of them marks the step
         recorded = False
 
         @functools.wraps(fn)
         def first_call_recorded(*args: Any, **kwargs: Any) -> Any:
             nonlocal recorded
             nnx_transform = not recorded and _check_functional(fn, args, kwargs, where="run.jit/run.guard")
-            self._outputs = out = call(*args, **kwargs)  # the step's other outputs can mark it (markers.py)
+            # one execution's outputs, ready together: the step's other outputs can mark it (markers.py)
+            self._outputs = out = call(*args, **kwargs)
             if not recorded:
                 recorded = True
                 if not kwargs and not nnx_transform:  # standby compiles jax.jit functions only

@@ -120,3 +120,36 @@ def test_the_step_s_other_output_marks_it_without_a_program_of_its_own(monkeypat
     assert markers.sibling(second[0], second) is None  # computed already: nothing to mark
     keyed = jax.jit(lambda s, k: (s + 1, jax.random.split(k)[0]))(jnp.zeros(4), jax.random.key(0))
     assert markers.sibling(keyed[0], keyed) is None  # a typed PRNG key is not waited on
+
+
+def test_a_run_marks_each_step_by_the_loss_its_jitted_step_returned(monkeypatch):
+    """Through ``run.jit``: each commit's marker is the step's own loss, and no marker program runs."""
+    from elastic import ElasticConfig, Policy
+    from tests.unit.test_data import _Host, _run
+
+    config = ElasticConfig(job_name="mark", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2))
+    run = _run(_Host(config), 0, {})
+    monkeypatch.setattr(markers, "_tap", None)  # no marker program: calling it would fail
+    turns = threading.Semaphore(0)  # step k computes once its commit has let it
+
+    def held(x):
+        turns.acquire(timeout=60)
+        return x
+
+    def step(s):
+        c = io_callback(held, jax.ShapeDtypeStruct((), jnp.float32), s["w"].sum())
+        new = {"w": s["w"] * 2 + 0 * c, "count": s["count"] + 1}
+        return new, new["w"].mean()
+
+    fn = run.jit(step, donate_argnums=0)
+    rep = NamedSharding(run.mesh, P())
+    state = {"w": jax.device_put(jnp.ones((16, 4)), rep), "count": jax.device_put(jnp.zeros((), jnp.int32), rep)}
+    losses, marks = [], []
+    for step_number in run.steps:
+        state, loss = fn(state)
+        losses.append(loss)
+        run.commit(state)
+        marks.extend(u.marker for u in run._unconfirmed if u.step == step_number)
+        turns.release()
+    assert len(marks) == 4  # every step ran ahead (this host asks for no snapshot), each marked by its loss
+    assert all(m is loss for m, loss in zip(marks, losses, strict=True))
