@@ -208,8 +208,7 @@ class Run:
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
             live = _live(u.state)
-            waitable = live + _live(u.metrics) if u.metrics else live
-            waitable = waitable or _live(u.marker)
+            waitable = (live + _live(u.metrics) if u.metrics else live) or _live(u.marker)
             first, earlier = self._unseen or (u.step, 0.0)
             own = self._host.config.step_wait_s(first=u.first)
             bound = None if own is None else earlier + own
@@ -298,7 +297,7 @@ class Run:
     @functools.cached_property
     def _put_batch(self) -> Callable[[Any], Any]:
         """One sharding and one guarded transfer per pass, not one per step."""
-        return functools.partial(guarded(jax.device_put, self._devices), device=batch_sharding(self.mesh))
+        return functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
