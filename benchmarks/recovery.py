@@ -176,6 +176,7 @@ def measure(report: dict, state: object, job_start: float) -> dict:
         "restore_waited_for_snapshot_in_flight_seconds": waited,
         "restore_source": restored.get("source"),
         "shards_kept_in_place": restored.get("shards_kept", 0),
+        "landed": bool(restored.get("landed", False)),
         "restored_bytes_on_devices": placed,
         "phases": {k: round(v, 3) for k, v in phases.items()},
         "restore_tier": report["restores"][0]["tier"] if report["restores"] else None,

@@ -3,10 +3,11 @@
 from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from .freeing import discard, held_bytes, release
 from .freeing import flush as flush_releases
-from .freeing import held_bytes, release
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
+from .landing import LAND, land, land_args, landing, landing_pays, owned
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from .reshard import StructureError, as_shardings, check_structure, reshard
 from .standby import StandbyCompiler, mesh_key
@@ -14,6 +15,7 @@ from .topology import Slice, Topology, TopologyError, simulated_topology, topolo
 
 __all__ = (
     "Chunk",
+    "LAND",
     "FailureKind",
     "LOCAL_AXIS",
     "MeshFn",
@@ -29,12 +31,18 @@ __all__ = (
     "build_mesh",
     "check_structure",
     "classify_failure",
+    "discard",
     "flush_releases",
     "guarded",
     "hangs",
     "held_bytes",
     "is_recoverable",
     "is_slice_loss",
+    "land",
+    "land_args",
+    "landing",
+    "landing_pays",
+    "owned",
     "plan_microbatches",
     "probe_slices",
     "release",

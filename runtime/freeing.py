@@ -11,8 +11,10 @@ numpy arrays) hold at most ``SMALL`` bytes; a reference that holds more is left 
 host memory are freed exactly when they were without this module. What is handed over is dropped, in order,
 by that thread once the loop's thread is about to wait for the devices (:func:`wake`, called by
 ``runtime.wait_ready``; waking it earlier would take the core from the loop's thread), or once ``WAKE_AT``
-handovers wait. At most ``BACKLOG`` wait at once; past that the caller drops its own. :func:`flush` drops what
-waits on its caller's thread and waits, bounded, for a drop in progress. A forked child starts its own thread.
+handovers wait. At most ``BACKLOG`` wait at once; past that the caller drops its own. :func:`discard` hands over
+a reference whatever it holds (what a failed pass left behind: nothing waits for its memory, and dropping it on the
+loop's thread held it 29 ms on the way to the recovery). :func:`flush` drops what waits on its caller's thread and
+waits, bounded, for a drop in progress. A forked child starts its own thread.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BACKLOG", "SMALL", "WAKE_AT", "flush", "held_bytes", "release", "wake"]
+__all__ = ["BACKLOG", "SMALL", "WAKE_AT", "discard", "flush", "held_bytes", "release", "wake"]
 
 SMALL = 1 << 20  # bytes of live arrays a handover may hold: what a step's metrics and markers hold, not a state
 WAKE_AT = 8  # handovers that wake the thread without a wait (a loop whose steps never wait for the devices)
@@ -65,6 +67,10 @@ class _Releaser:
         if len(self._queue) >= WAKE_AT:
             with self._cond:
                 self._wake()
+
+    def discard(self, obj: Any) -> None:
+        self._queue.append(obj)
+        del obj
 
     def wake(self) -> None:
         if self._queue:  # read without the lock: a handover racing this call is dropped at the next wake
@@ -107,6 +113,12 @@ def release(obj: Any, *, held: int | None = None) -> None:
     """Hand this reference to ``obj`` to the release thread, when it holds at most ``SMALL`` bytes of live arrays
     (the caller drops its own references). ``held``: those bytes, when the caller knows them (not measured)."""
     _releaser.release(obj, held)
+
+
+def discard(obj: Any) -> None:
+    """Hand this reference to ``obj`` to the release thread whatever it holds, to drop once the caller's thread next
+    waits for the devices (or at :func:`flush`): for what a failed pass left behind, which nothing waits on."""
+    _releaser.discard(obj)
 
 
 def wake() -> None:

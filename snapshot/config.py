@@ -54,3 +54,4 @@ class Restored:
     tier: str = "memory"
     source: str = "copies"  # "staged": a snapshot still in flight, taken from the shards it staged
     shards_kept: int = 0  # device shards restored in place (nothing moved)
+    borrowed: bool = False  # the state may alias the snapshot's host bytes: copy it before the snapshot moves on

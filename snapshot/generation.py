@@ -91,7 +91,9 @@ def _verified(
     raise SnapshotCorruptError(gen.step, leaf)
 
 
-def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine) -> jax.Array:
+def _place_leaf(
+    rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, engine: Engine, *, borrow: bool
+) -> jax.Array:
     if engine.name == "device":
         arrays: list[jax.Array] = []
         exact = True
@@ -105,19 +107,27 @@ def _place_leaf(rec: LeafRecord, chosen: dict[Index, Copy], sharding: Sharding, 
         if exact:
             arr: jax.Array = jax.make_array_from_single_device_arrays(rec.shape, sharding, arrays)
             return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
-    arr = place(rec.shape, np.dtype(rec.dtype), sharding, [(index, engine.host_view(c)) for index, c in chosen.items()])
+    pieces = [(index, engine.host_view(c)) for index, c in chosen.items()]
+    arr = place(rec.shape, np.dtype(rec.dtype), sharding, pieces, borrow=borrow)
     return arr if rec.key_impl is None else wrap_keys(arr, rec.key_impl, sharding)
 
 
 def restore_generation(
-    gen: Generation, targets: list[Sharding | None], available: set[Any], engine: Engine, guard: Guard | None
+    gen: Generation,
+    targets: list[Sharding | None],
+    available: set[Any],
+    engine: Engine,
+    guard: Guard | None,
+    *,
+    borrow: bool = False,
 ) -> Any:
     """``gen``'s state on ``targets`` (one sharding per leaf), read from copies on ``available`` devices only.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no copy there, and
     :class:`SnapshotCorruptError` when the controller state or every readable copy of a piece fails its
     checksum. Each device receives a fresh buffer the runtime owns: the restored state never aliases the
-    snapshot, and the generation stays restorable.
+    snapshot, and the generation stays restorable. ``borrow``: a host copy's bytes are wrapped instead of copied
+    where the backend can (:func:`~.image.borrowed`); the state is then valid only until the caller copies it.
     """
     if meta_checksum(gen.meta) != gen.meta_checksum:
         raise SnapshotCorruptError(gen.step, -1)
@@ -132,7 +142,7 @@ def restore_generation(
             placed.append(copylib.deepcopy(rec.value))
             continue
         assert sharding is not None  # an array leaf has a target
-        placed.append(_place_leaf(rec, chosen, sharding, engine))
+        placed.append(_place_leaf(rec, chosen, sharding, engine, borrow=borrow))
     return jax.tree_util.tree_unflatten(gen.treedef, placed)
 
 

@@ -221,26 +221,43 @@ def owned_copy(data: np.ndarray, device: Any) -> jax.Array:
     return jax.device_put(jax.device_put(data, device), device, may_alias=False)
 
 
+def borrowed(data: np.ndarray, device: Any) -> jax.Array:
+    """``data`` on ``device``, aliasing its bytes where the backend can (aligned host bytes on CPU), else a copy.
+
+    Valid only while ``data`` is unchanged: the caller copies it into buffers of its own before the snapshot
+    that owns ``data`` moves on (see ``Snapshotter.load(borrow=True)``)."""
+    import jax
+
+    return jax.device_put(data, device)
+
+
 def fresh_shards(
-    wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.ndarray]], dtype: np.dtype
+    wants: list[tuple[Index, Any]], pieces: list[tuple[Index, np.ndarray]], dtype: np.dtype, *, borrow: bool = False
 ) -> list[jax.Array]:
     """For each (region, device) in ``wants``: a fresh, runtime-owned buffer on that device holding that
-    region of ``pieces`` (assembled where needed), made on 2 threads (the copies release the GIL)."""
+    region of ``pieces`` (assembled where needed), made on 2 threads (the copies release the GIL).
+    ``borrow``: the region's host bytes wrapped instead (:func:`borrowed`), not copied."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="snapshot-restore")
-    return list(_POOL.map(lambda want: owned_copy(assemble(want[0], pieces, dtype), want[1]), wants))
+    make = borrowed if borrow else owned_copy
+    return list(_POOL.map(lambda want: make(assemble(want[0], pieces, dtype), want[1]), wants))
 
 
 def place(
-    shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding, pieces: list[tuple[Index, np.ndarray]]
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sharding: Sharding,
+    pieces: list[tuple[Index, np.ndarray]],
+    *,
+    borrow: bool = False,
 ) -> jax.Array:
     """An array of ``shape`` on ``sharding`` whose every device shard is a fresh, runtime-owned buffer
-    holding its region of ``pieces``."""
+    holding its region of ``pieces`` (``borrow``: the pieces' bytes, wrapped where they can be)."""
     import jax
 
     where = sharding.addressable_devices_indices_map(shape)
-    arrays = fresh_shards([(region(idx, shape), d) for d, idx in where.items()], pieces, dtype)
+    arrays = fresh_shards([(region(idx, shape), d) for d, idx in where.items()], pieces, dtype, borrow=borrow)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

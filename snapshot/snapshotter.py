@@ -45,6 +45,7 @@ from .staged import StagedRequest, restore_staged
 __all__ = ["Restored", "SnapshotConfig", "SnapshotInfo", "Snapshotter"]
 
 log = structlog.get_logger("snapshot")
+PAUSE_S = 5.0  # the longest a paused copy holds at one piece (see ``Snapshotter.pause``)
 
 
 class _Abandoned(Exception):
@@ -79,6 +80,8 @@ class Snapshotter:
         self._error: SnapshotFailedError | None = None
         self._numbers = 0
         self._closed = False
+        self._running = threading.Event()  # cleared by ``pause``: the copy in flight holds between pieces
+        self._running.set()
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="snapshot-copy")
         self._stats = {
             "snapshots_requested": 0,
@@ -271,6 +274,7 @@ class Snapshotter:
             digest = 0
             lost: BaseException | None = None
             for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
+                self._running.wait(PAUSE_S)  # paused while a failure is recovered from (bounded: it goes on)
                 if req.abandoned:
                     raise _Abandoned
                 if self._guard is not None:
@@ -330,7 +334,8 @@ class Snapshotter:
     # -- reading ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Until nothing is pending or in flight; raises :class:`SnapshotFailedError` for a failed save
-        (once), ``TimeoutError`` past ``timeout`` seconds."""
+        (once), ``TimeoutError`` past ``timeout`` seconds. A paused copy goes on."""
+        self.resume()
         with self._cv:
             if not self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout):
                 raise TimeoutError(f"snapshot still in flight after {timeout} s")
@@ -353,7 +358,7 @@ class Snapshotter:
         with self._cv:
             return tuple(g.step for g in self._generations)
 
-    def load(self, target: Any, *, available: Any = None) -> Restored:
+    def load(self, target: Any, *, available: Any = None, borrow: bool = False) -> Restored:
         """The newest state held, placed on ``target`` (shardings, or an abstract state whose leaves carry
         ``.sharding``), read only from devices in ``available`` (default: the target's).
 
@@ -361,6 +366,10 @@ class Snapshotter:
         shards it staged (see ``snapshot.staged``) and its copy stopped; when a piece's sources are all gone,
         or with the device engine, the copy is waited for. A corrupt generation is skipped (logged, dropped)
         and an older one used. Every device receives a buffer it owns; generations stay restorable.
+
+        ``borrow=True``: a device may instead receive the snapshot's own bytes, wrapped without a copy where the
+        backend can (aligned host memory on CPU); ``Restored.borrowed`` says so. The caller then copies the state
+        into buffers of its own (``runtime.land``) before it saves again: until then it aliases this snapshot.
         """
         with self._cv:
             req = self._pending or self._in_flight
@@ -388,12 +397,13 @@ class Snapshotter:
         if staged is not None and engine.name == "host" and (newest is None or staged[0].step >= newest):
             req, sources = staged
             try:
-                state, reused = restore_staged(req, sources, targets, available, self._guard)
+                state, reused = restore_staged(req, sources, targets, available, self._guard, borrow=borrow)
             except SnapshotUnavailableError:
                 log.info("snapshot_in_flight_unavailable", step=req.step)  # wait for its copies below
             else:
                 log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
                 self._abandon(req)
+                self.resume()
                 self._stats["last_load_wait_seconds"] = 0.0
                 return Restored(
                     step=req.step,
@@ -402,6 +412,7 @@ class Snapshotter:
                     meta=copylib.deepcopy(req.meta),
                     source="staged",
                     shards_kept=reused,
+                    borrowed=borrow,
                 )
         t0 = time.perf_counter()
         self.wait_quietly()  # a copy in flight is newer than every complete generation: let it finish
@@ -413,7 +424,7 @@ class Snapshotter:
         failure: Exception | None = None
         for gen in generations:
             try:
-                state = restore_generation(gen, targets, available, engine, self._guard)
+                state = restore_generation(gen, targets, available, engine, self._guard, borrow=borrow)
             except SnapshotCorruptError as err:
                 log.warning("snapshot_corrupt", step=gen.step, generation=gen.number, leaf=err.leaf)
                 with self._cv:
@@ -423,7 +434,9 @@ class Snapshotter:
             except SnapshotUnavailableError as err:
                 failure = err
                 continue
-            return Restored(step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta))
+            return Restored(
+                step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta), borrowed=borrow
+            )
         assert failure is not None
         raise failure
 
@@ -443,7 +456,9 @@ class Snapshotter:
             self._cv.notify_all()
 
     def wait_quietly(self) -> None:
-        """Until nothing is pending or in flight; a failed save stays to be raised by :meth:`wait`."""
+        """Until nothing is pending or in flight; a failed save stays to be raised by :meth:`wait`. A paused copy
+        goes on."""
+        self.resume()
         with self._cv:
             self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
 
@@ -510,9 +525,20 @@ class Snapshotter:
             self._cv.notify_all()
         return count
 
+    def pause(self) -> None:
+        """Hold the copy in flight between pieces, for ``PAUSE_S`` at most: a failure was caught, and its
+        recovery (which may take this snapshot from its staged shards and stop it) gets the CPU. ``load``,
+        ``resume`` and ``close`` let it go on."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Let a paused copy go on."""
+        self._running.set()
+
     def close(self, timeout: float = 120.0) -> None:
         """Finish what was requested (the waiting and the in-flight copy, bounded by ``timeout``), then
         stop the background threads. Complete generations stay readable until the snapshotter is dropped."""
+        self.resume()
         with self._cv:
             self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout)
             self._closed = True

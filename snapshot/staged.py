@@ -89,11 +89,14 @@ def restore_staged(
     targets: list[Sharding | None],
     available: set[Any],
     guard: Guard | None,
+    *,
+    borrow: bool = False,
 ) -> tuple[Any, int]:
     """The state of a snapshot still in flight, placed on ``targets`` from its source shards on
     ``available`` devices (live device memory: no checksum exists yet, none is needed). A device that
     holds its own shard of exactly its target region keeps it as it is (nothing moves); any other device
-    receives a fresh copy. Returns the state and the number of shards kept in place.
+    receives a fresh copy (``borrow``: the source's bytes wrapped where the backend can, valid while the source
+    shard lives). Returns the state and the number of shards kept in place.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no source shard left on those devices.
     """
@@ -126,7 +129,7 @@ def restore_staged(
         where = {d: region(i, leaf.shape) for d, i in sharding.addressable_devices_indices_map(leaf.shape).items()}
         kept = {d: own[(d, want)] for d, want in where.items() if (d, want) in own}
         copied = [(want, d) for d, want in where.items() if d not in kept]
-        fresh = dict(zip([d for _, d in copied], fresh_shards(copied, pieces, leaf.dtype), strict=True))
+        fresh = dict(zip([d for _, d in copied], fresh_shards(copied, pieces, leaf.dtype, borrow=borrow), strict=True))
         reused += len(kept)
         arrays = [kept[d] if d in kept else fresh[d] for d in where]
         arr = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)

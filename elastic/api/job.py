@@ -389,6 +389,10 @@ class ElasticJob:
                 self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
                 self._log.info("saved_final", path=str(self._save_final_to))
         finally:
+            for hook in hooks:  # an injector's agent kills still under way end with the run
+                settle = getattr(hook, "settle", None)
+                if settle is not None:
+                    settle()
             placement.close()
             if self._client_events is not None:
                 self._client_events.flush()  # the run's records are in the stream when run returns

@@ -195,6 +195,11 @@ class Run:
         )
         self._confirm(keep=keep)
 
+    @property
+    def newest_state(self) -> Any:
+        """The newest committed step's state, confirmed or not (``state`` is the newest confirmed one)."""
+        return self._unconfirmed[-1].state if self._unconfirmed else self.state
+
     def settle(self) -> None:
         """Confirm every committed step (at a step boundary the pass may end at, and after the last step)."""
         self._confirm(keep=0)

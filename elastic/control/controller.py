@@ -144,6 +144,7 @@ class Controller:
             if kind is runtime.FailureKind.OTHER:
                 raise
             self._placement.drop()
+            runtime.discard(err)  # its frames (the failed pass's states, the loop's locals) are freed off this thread
             cause = f"{type(err).__name__}: {err}"
             self._failure = (cause, kind is runtime.FailureKind.HUNG)
             steps = self._acct.ledger.steps

@@ -90,6 +90,11 @@ class TierSet:
                 tiers.persistent_dir, every=tiers.persistent_every, job=self._config.job_name
             )
 
+    @property
+    def abstract(self) -> Any:
+        """The state's structure, shapes and dtypes (what every restore produces)."""
+        return self._abstract
+
     def ready(self) -> None:
         """Until the keepers that ``start`` asked for answer (raises if none does)."""
         if self._keepers is not None:
@@ -139,19 +144,25 @@ class TierSet:
             self._log.warning("snapshot_failed", step=err.step, cause=err.cause)
 
     # -- restoring -------------------------------------------------------------------------
-    def restore(self, shardings: Any, devices: Iterable[Any], *, epoch: int) -> Restored | None:
+    def pause(self) -> None:
+        """A failure was caught: hold the snapshot copy in flight until the restore (``Snapshotter.pause``)."""
+        self._snapshots.pause()
+
+    def restore(self, shardings: Any, devices: Iterable[Any], *, epoch: int, borrow: bool = False) -> Restored | None:
         """The newest state any tier holds, placed on ``shardings``; None when no tier holds anything.
 
-        In memory first (survivors' copies only), then the keepers, then the persistent tier.
+        In memory first (survivors' copies only), then the keepers, then the persistent tier. ``borrow``: the
+        memory tier may hand back its own bytes (``Restored.borrowed``; see ``Snapshotter.load``).
         """
         try:
             # A snapshot still in flight is the newest: restored from its staged shards, or waited for.
-            return self._snapshots.load(shardings, available=set(devices))
+            return self._snapshots.load(shardings, available=set(devices), borrow=borrow)
         except NoSnapshotError:
             pass
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:
             self._log.warning("memory_tier_unusable", epoch=epoch, error=str(err)[:300])
         finally:
+            self._snapshots.resume()
             self.last_wait_seconds = self._snapshots.stats()["last_load_wait_seconds"]
         held_in_memory = self._snapshots.latest is not None
         if self._keepers is not None:

@@ -55,6 +55,10 @@ class LocalPlacement:
         self._fresh = False  # the prepared state is initialised: snapshot it as step 0 before the loop runs
         self._soon = False  # restored: snapshot again at the first commit
         self._prepared_for: int | None = None  # the epoch standbys were last prepared for
+        # a restore lands in the dropped state's buffers (runtime.landing)
+        self._lands = runtime.landing_pays(d for s in topology.slices for d in s.devices)
+        self._newest: Any = None  # the newest committed state of the last pass, confirmed or not
+        self._dropped: Any = None  # the state live at the last failure, until a restore lands in it
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
         self._standby.warm(lambda: runtime.warm_probes(topology.slices))
 
@@ -76,7 +80,7 @@ class LocalPlacement:
         devices = tuple(mesh.devices.flat)
         moving, self._live = self._live, None
         before, self._active = self._active, len(view.active)
-        self._prepared = self._state = None
+        self._prepared = self._state = self._newest = None
         self._fresh = self._soon = False
         if live and moving is not None:
             moved = runtime.guarded(runtime.reshard, devices)(moving.state, shardings)
@@ -84,9 +88,14 @@ class LocalPlacement:
             state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
             self._prepared = (view, mesh, state, moving.next_step, moving.extras)
             return Placed(how="moved", step=moving.next_step)
+        dst = self._landing(shardings)
+        if dst is None:  # the failed pass's leftovers are freed before the restore allocates anew
+            runtime.flush_releases()
         # Guarded like any transfer onto the view's devices: a view that is already stale (a slice in it lost too)
         # fails like a lost slice and is recovered from, not taken for tiers that cannot restore.
-        restored = runtime.guarded(self._tiers.restore, devices)(shardings, devices, epoch=view.epoch)
+        restored = runtime.guarded(self._tiers.restore, devices)(
+            shardings, devices, epoch=view.epoch, borrow=dst is not None
+        )
         if restored is None:
             if self._initial_state is not None:
                 state = runtime.guarded(self._initial_state, devices)(shardings)
@@ -97,9 +106,16 @@ class LocalPlacement:
             self._fresh = True
             self._prepared = (view, mesh, state, self._init_step, {})
             return Placed(how="fresh", step=self._init_step)
+        state, landed = restored.state, False
+        if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
+            assert dst is not None
+            landed_state = runtime.guarded(runtime.land, devices)(dst, state)
+            landed = landed_state is not None
+            state = landed_state if landed else runtime.guarded(runtime.owned, devices)(state)
+        del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
-            restored.state,
+            state,
             devices,
             timeout_s=self._wait_s,  # the copies have landed
             what=f"the restore of step {restored.step}",
@@ -114,9 +130,10 @@ class LocalPlacement:
             tier=restored.tier,
             generation=restored.generation,
             source=restored.source,
-            shards_kept=restored.shards_kept,
+            shards_kept=0 if landed else restored.shards_kept,  # landed: every shard was copied, in one program
             meta=restored.meta,
             waited_s=round(self._tiers.last_wait_seconds, 3),
+            detail={"landed": landed} if restored.borrowed else {},
         )
 
     def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
@@ -132,6 +149,8 @@ class LocalPlacement:
             host.on_commit(step, batch, metrics, run.view, run)
             if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
                 self._prepared_for = run.epoch
+                if self._lands:  # and the program a restore there lands with
+                    self._standby.record(runtime.LAND, runtime.land_args(state), mesh)
                 self._standby.prepare(self._next_meshes(run.view))
 
         def changed(next_step: int) -> View | None:
@@ -157,13 +176,30 @@ class LocalPlacement:
             self._live = regroup.live
             return PassEnd(regroup=regroup.view, live=regroup.live is not None)
         finally:
-            self._state = run.state
+            self._state, self._newest = run.state, run.newest_state
         return PassEnd(value=value)
 
     def drop(self) -> None:
-        # Whatever was live may sit on lost devices (or be a hung step's results): restore from a snapshot.
-        # Dropped now, so that the restore reuses its memory instead of allocating it twice.
-        self._live = self._prepared = self._state = None
+        # Whatever was live may sit on lost devices (or be a hung step's results): restore from a snapshot. On CPU
+        # the restore lands in its survivors' buffers (runtime.landing); elsewhere it is dropped now, so that the
+        # restore reuses its memory instead of allocating it twice.
+        newest = self._newest if self._newest is not None else self._prepared[2] if self._prepared else None
+        self._live = self._prepared = self._state = self._newest = None
+        self._dropped = newest if self._lands else None
+        self._tiers.pause()  # the snapshot in flight holds until the restore: the recovery gets the CPU
+
+    def _landing(self, shardings: Any) -> list[jax.Array] | None:
+        """The dropped state's buffers, to take the restore (taken once: dropped either way)."""
+        dropped, self._dropped = self._dropped, None
+        if dropped is None:
+            return None
+        try:
+            target = jax.tree_util.tree_map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._tiers.abstract, shardings
+            )
+            return runtime.landing(dropped, target)
+        except Exception:  # noqa: BLE001 - an optimisation: a state it cannot read restores into fresh buffers
+            return None
 
     def probe(
         self, slices: frozenset[int], timeout_s: float | None, *, early: Callable[[frozenset[int]], None] | None = None

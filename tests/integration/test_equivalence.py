@@ -37,6 +37,8 @@ def test_random_slice_loss_matches_failure_free_run(reference):
     report = result.report
     assert report.recoveries == 1 and report.min_slices_seen == 3 and report.client_restarts == 0
     assert max_abs_diff(result.state["params"], reference.state["params"]) < 1e-5, f"seed={seed}"
+    # on CPU the restore landed in the survivors' buffers of the state live at the loss (runtime.landing)
+    assert [e.get("landed") for e in report.timeline if e["event"] == "restored"] == [True], f"seed={seed}"
 
 
 def test_shrink_with_indivisible_batch_accumulates_exactly(ray_local_module):
@@ -54,5 +56,6 @@ def test_same_device_count_is_bit_for_bit(reference):
     # failure struck, so it was never recorded: rolled back, but not counted as recomputed
     assert result.report.steps_recomputed == 2
     assert result.report.min_slices_seen == 4
+    assert [e.get("landed") for e in result.report.timeline if e["event"] == "restored"] == [True]
     for a, b in zip(jax.tree_util.tree_leaves(result.state), jax.tree_util.tree_leaves(reference.state), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

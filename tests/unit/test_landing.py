@@ -1,0 +1,196 @@
+"""A restore lands in the buffers of the state it replaces (``elastic.runtime.landing``), from a snapshot that lent
+its bytes (``Snapshotter.load(borrow=True)``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from elastic.runtime import LAND, StandbyCompiler, land, land_args, landing, landing_pays, owned
+from elastic.snapshot import SnapshotConfig, Snapshotter
+
+
+def _mesh(devices: list) -> Mesh:
+    return Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("replica", "local"))
+
+
+def _state(mesh: Mesh, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    sharding = NamedSharding(mesh, P("local"))
+    return {
+        # owned by the runtime, as a step's outputs are (an array wrapping numpy memory cannot be donated)
+        "w": jax.device_put(rng.normal(size=(8, 6)).astype(np.float32), sharding, may_alias=False),
+        "b": jax.device_put(rng.normal(size=(4,)).astype(np.float32), NamedSharding(mesh, P()), may_alias=False),
+        "key": jax.random.key(seed),
+        "count": 3,
+    }
+
+
+def _abstract(state: dict, mesh: Mesh) -> dict:
+    specs = {"w": P("local"), "b": P(), "key": P(), "count": None}
+    return {
+        k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=NamedSharding(mesh, specs[k]))
+        if specs[k] is not None
+        else v
+        for k, v in state.items()
+    }
+
+
+def _pointers(x: jax.Array) -> dict[int, int]:
+    return {s.device.id: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def test_a_restore_lands_in_the_dropped_states_buffers_on_the_survivors() -> None:
+    """The survivors' buffers of the state live at the failure take the restored values: nothing is allocated,
+    the old arrays are donated, and every value is the restored one."""
+    devices = jax.devices()
+    old = _state(_mesh(devices), seed=1)  # 4 slices
+    survivors = _mesh([d for d in devices if d.id not in (2, 3)])  # slice 1 lost
+    target = _abstract(old, survivors)
+    before = {d: p for d, p in _pointers(old["w"]).items() if d not in (2, 3)}
+
+    dst = landing(old, target)
+    assert dst is not None and len(dst) == 2  # the two plain arrays; the key and the int pass through
+    restored = _state(survivors, seed=2)
+    landed = land(dst, restored)
+    assert landed is not None
+    jax.block_until_ready(landed)
+
+    assert _pointers(landed["w"]) == before  # the same memory, now holding the restored values
+    assert old["w"].is_deleted() and old["b"].is_deleted()
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(landed[k]), np.asarray(restored[k]))
+        assert landed[k].sharding == restored[k].sharding
+    assert landed["key"] is restored["key"] and landed["count"] == 3
+
+
+def test_a_landing_needs_every_buffer_ready_and_whole() -> None:
+    """No landing when a leaf of the dropped state was donated, its shards have another shape, or the tree differs."""
+    devices = jax.devices()
+    mesh = _mesh(devices)
+    target = _abstract(_state(mesh), mesh)
+
+    donated = _state(mesh)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(donated["w"])
+    assert landing(donated, target) is None
+
+    other_shape = _state(mesh)
+    other_shape["w"] = jax.device_put(np.zeros((8, 6), np.float32), NamedSharding(mesh, P()))  # whole on each device
+    assert landing(other_shape, target) is None
+
+    assert landing({"w": _state(mesh)["w"]}, target) is None  # another structure
+
+
+def test_the_same_buffer_twice_is_not_landed_in_twice() -> None:
+    """A dropped state holding one array in two leaves gives no landing: a buffer donated twice in one call fails."""
+    mesh = _mesh(jax.devices())
+    x = jax.device_put(np.ones((8, 6), np.float32), NamedSharding(mesh, P("local")))
+    target = {k: jax.ShapeDtypeStruct((8, 6), np.float32, sharding=NamedSharding(mesh, P("local"))) for k in "ab"}
+    assert landing({"a": x, "b": x}, target) is None
+
+
+def test_a_state_that_reads_a_landing_buffer_is_not_landed() -> None:
+    """When the restored state reads the memory of a buffer it would land in (its own shard, or a view of one),
+    ``land`` does nothing and says so; ``owned`` copies it into fresh buffers instead."""
+    mesh = _mesh(jax.devices())
+    old = _state(mesh, seed=4)
+    target = _abstract(old, mesh)
+    dst = landing(old, target)
+    assert dst is not None
+    assert land(dst, old) is None  # the very same buffers
+    view = dict(old, w=jax.make_array_from_single_device_arrays(
+        (8, 6), old["w"].sharding, [jax.device_put(np.asarray(s.data), s.device) for s in old["w"].addressable_shards]
+    ))  # fmt: skip
+    assert land(dst, view) is None  # views of them (on CPU a host array is wrapped without a copy)
+    assert not old["w"].is_deleted()
+
+    copy = owned(view)
+    assert set(_pointers(copy["w"]).values()).isdisjoint(_pointers(old["w"]).values())
+    np.testing.assert_array_equal(np.asarray(copy["w"]), np.asarray(old["w"]))
+
+
+def test_a_landing_onto_a_standby_mesh_compiles_nothing() -> None:
+    """The landing program recorded on one mesh (``land_args``) and compiled ahead for the survivors' mesh by the
+    standby compiler serves the landing there: no compilation on the way."""
+    devices = jax.devices()
+    full, survivors = _mesh(devices), _mesh([d for d in devices if d.id not in (2, 3)])
+    old = _state(full, seed=8)
+    standby = StandbyCompiler()
+    try:
+        standby.record(LAND, land_args(old), full)
+        standby.prepare([survivors])
+        assert standby.wait(60) and standby.ready(survivors)
+    finally:
+        standby.close()
+    target = _abstract(old, survivors)
+    compiles: list[str] = []
+
+    def listen(name: str, secs: float, **kwargs: object) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        dst = landing(old, target)
+        assert dst is not None
+        landed = land(dst, _state(survivors, seed=9))
+        jax.block_until_ready(landed)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+def test_a_borrowed_restore_holds_the_snapshots_values_and_says_so() -> None:
+    """``load(borrow=True)`` gives the same values as an owned load, marked borrowed: on CPU its shards wrap the
+    snapshot's host bytes. An owned load never aliases them."""
+    mesh = _mesh(jax.devices())
+    state = _state(mesh, seed=5)
+    snaps = Snapshotter(SnapshotConfig(copies=2, keep=2, engine="host"), slice_of=lambda d: d.id // 2)
+    try:
+        snaps.save(7, state)
+        snaps.wait(30)
+        target = _abstract(state, mesh)
+        lent = snaps.load(target, borrow=True)
+        kept = snaps.load(target)
+        assert lent.borrowed and not kept.borrowed
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(np.asarray(lent.state[k]), np.asarray(state[k]))
+            np.testing.assert_array_equal(np.asarray(kept.state[k]), np.asarray(state[k]))
+        dst = landing(_state(mesh, seed=6), target)
+        assert dst is not None
+        landed = land(dst, lent.state)
+        assert landed is not None
+        np.testing.assert_array_equal(np.asarray(landed["w"]), np.asarray(state["w"]))
+        again = snaps.load(target)  # the snapshot is intact after the landing
+        np.testing.assert_array_equal(np.asarray(again.state["w"]), np.asarray(state["w"]))
+    finally:
+        snaps.close()
+
+
+def test_a_paused_copy_holds_until_resumed_or_waited_for() -> None:
+    """``pause`` holds the copy in flight between pieces; ``wait`` (any waiter) lets it go on."""
+    mesh = _mesh(jax.devices())
+    snaps = Snapshotter(SnapshotConfig(copies=2, keep=2, engine="host"), slice_of=lambda d: d.id // 2)
+    try:
+        snaps.pause()
+        snaps.save(1, _state(mesh))
+        with snaps._cv:  # noqa: SLF001 - the copy has not finished while paused
+            done = snaps._cv.wait_for(lambda: snaps.latest is not None, 0.3)  # noqa: SLF001
+        assert not done
+        snaps.wait(30)  # resumes it
+        assert snaps.latest is not None and snaps.latest.step == 1
+    finally:
+        snaps.close()
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_landing_is_for_cpu_memory_only(platform: str) -> None:
+    class _Device:
+        def __init__(self, platform: str) -> None:
+            self.platform = platform
+
+    assert not landing_pays([_Device("cpu"), _Device(platform)])
