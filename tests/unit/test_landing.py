@@ -18,13 +18,18 @@ def _mesh(devices: list) -> Mesh:
     return Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("replica", "local"))
 
 
+def _owned(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` in buffers the runtime owns, as a step's outputs are (on CPU an array put from aligned numpy memory
+    wraps it, and such a buffer cannot be donated)."""
+    return jax.device_put(jax.device_put(x, sharding), sharding, may_alias=False)
+
+
 def _state(mesh: Mesh, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     sharding = NamedSharding(mesh, P("local"))
     return {
-        # owned by the runtime, as a step's outputs are (an array wrapping numpy memory cannot be donated)
-        "w": jax.device_put(rng.normal(size=(8, 6)).astype(np.float32), sharding, may_alias=False),
-        "b": jax.device_put(rng.normal(size=(4,)).astype(np.float32), NamedSharding(mesh, P()), may_alias=False),
+        "w": _owned(rng.normal(size=(8, 6)).astype(np.float32), sharding),
+        "b": _owned(rng.normal(size=(4,)).astype(np.float32), NamedSharding(mesh, P())),
         "key": jax.random.key(seed),
         "count": 3,
     }
@@ -88,7 +93,7 @@ def test_a_landing_needs_every_buffer_ready_and_whole() -> None:
 def test_the_same_buffer_twice_is_not_landed_in_twice() -> None:
     """A dropped state holding one array in two leaves gives no landing: a buffer donated twice in one call fails."""
     mesh = _mesh(jax.devices())
-    x = jax.device_put(np.ones((8, 6), np.float32), NamedSharding(mesh, P("local")))
+    x = _owned(np.ones((8, 6), np.float32), NamedSharding(mesh, P("local")))
     target = {k: jax.ShapeDtypeStruct((8, 6), np.float32, sharding=NamedSharding(mesh, P("local"))) for k in "ab"}
     assert landing({"a": x, "b": x}, target) is None
 
