@@ -5,6 +5,7 @@ from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
 from .freeing import discard, held_bytes, release
 from .freeing import flush as flush_releases
+from .freeing import wake as wake_releases
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
 from .landing import LAND, land, land_args, landing, landing_pays, owned
@@ -54,5 +55,6 @@ __all__ = (
     "mesh_key",
     "topology_from_devices",
     "wait_ready",
+    "wake_releases",
     "warm_probes",
 )

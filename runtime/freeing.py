@@ -116,8 +116,9 @@ def release(obj: Any, *, held: int | None = None) -> None:
 
 
 def discard(obj: Any) -> None:
-    """Hand this reference to ``obj`` to the release thread whatever it holds, to drop once the caller's thread next
-    waits for the devices (or at :func:`flush`): for what a failed pass left behind, which nothing waits on."""
+    """Hand this reference to ``obj`` to the release thread whatever it holds, to drop at the next :func:`wake`
+    (the caller drops its own reference first, so that the memory is freed there) or :func:`flush`: for what a failed
+    pass left behind, which nothing waits on."""
     _releaser.discard(obj)
 
 

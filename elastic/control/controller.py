@@ -98,6 +98,7 @@ class Controller:
         self._result: JobResult | None = None
         self._value: Any = None
         self._failure = ("", False)  # the last recoverable failure: its cause, and whether a step hung
+        self._leftovers: BaseException | None = None  # the last failure, until its frames are freed off this thread
         self._reports: list[tuple[frozenset[int], dict[int, int] | None, Any]] = []  # (slices, incarnations, reply)
         self._stall = StallReporter(config.step_wait_s(first=True), log=self._log, timeline=accounting.timeline)
 
@@ -144,7 +145,7 @@ class Controller:
             if kind is runtime.FailureKind.OTHER:
                 raise
             self._placement.drop()
-            runtime.discard(err)  # its frames (the failed pass's states, the loop's locals) are freed off this thread
+            self._leftovers = err  # its frames (the failed pass's states, the loop's locals): freed off this thread
             cause = f"{type(err).__name__}: {err}"
             self._failure = (cause, kind is runtime.FailureKind.HUNG)
             steps = self._acct.ledger.steps
@@ -157,6 +158,10 @@ class Controller:
             )
             return Failed(cause)
         if isinstance(action, NoteFailure):
+            leftovers, self._leftovers = self._leftovers, None
+            runtime.discard(leftovers)
+            del leftovers
+            runtime.wake_releases()  # the release thread now holds the only reference: it frees them
             self._acct.failure(action.cause)
             self._recovering = True
             return Noted(self._watcher.view)

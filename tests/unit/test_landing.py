@@ -3,11 +3,14 @@ its bytes (``Snapshotter.load(borrow=True)``)."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from elastic.runtime import LAND, StandbyCompiler, land, land_args, landing, landing_pays, owned
@@ -21,7 +24,8 @@ def _mesh(devices: list) -> Mesh:
 def _owned(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """``x`` in buffers the runtime owns, as a step's outputs are (on CPU an array put from aligned numpy memory
     wraps it, and such a buffer cannot be donated)."""
-    return jax.device_put(jax.device_put(x, sharding), sharding, may_alias=False)
+    # ready, as a dropped state's buffers are once the survivors' probe answered (landing takes none still computing)
+    return jax.device_put(jax.device_put(x, sharding), sharding, may_alias=False).block_until_ready()
 
 
 def _state(mesh: Mesh, seed: int = 0) -> dict:
@@ -74,17 +78,37 @@ def test_a_restore_lands_in_the_dropped_states_buffers_on_the_survivors() -> Non
 
 
 def test_a_landing_needs_every_buffer_ready_and_whole() -> None:
-    """No landing when a leaf of the dropped state was donated, its shards have another shape, or the tree differs."""
+    """No landing when a leaf of the dropped state is still computing, was donated, has shards of another shape, or
+    the tree differs; the same state once computed lands."""
     devices = jax.devices()
     mesh = _mesh(devices)
     target = _abstract(_state(mesh), mesh)
+    release = threading.Event()
+
+    def gated(x: jax.Array) -> jax.Array:  # ready once ``release`` is set (bounded: the test ends either way)
+        token = io_callback(
+            lambda t: (release.wait(30), t)[1],
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jnp.int32(0),
+            sharding=SingleDeviceSharding(devices[0]),
+        )
+        return jax.lax.optimization_barrier((token, x))[1] + 1
+
+    computing = _state(mesh)
+    computing["w"] = jax.jit(gated, out_shardings=computing["w"].sharding)(computing["w"])
+    try:
+        assert landing(computing, target) is None
+    finally:
+        release.set()
+    jax.block_until_ready(computing["w"])
+    assert landing(computing, target) is not None
 
     donated = _state(mesh)
     jax.jit(lambda x: x + 1, donate_argnums=0)(donated["w"])
     assert landing(donated, target) is None
 
     other_shape = _state(mesh)
-    other_shape["w"] = jax.device_put(np.zeros((8, 6), np.float32), NamedSharding(mesh, P()))  # whole on each device
+    other_shape["w"] = _owned(np.zeros((8, 6), np.float32), NamedSharding(mesh, P()))  # whole on each device
     assert landing(other_shape, target) is None
 
     assert landing({"w": _state(mesh)["w"]}, target) is None  # another structure
