@@ -109,9 +109,7 @@ class LocalPlacement:
         state, landed = restored.state, False
         if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
             assert dst is not None
-            landed_state = runtime.guarded(runtime.land, devices)(dst, state)
-            landed = landed_state is not None
-            state = landed_state if landed else runtime.guarded(runtime.owned, devices)(state)
+            state, landed = self._land(dst, state, devices)
         del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
@@ -187,6 +185,20 @@ class LocalPlacement:
         self._live = self._prepared = self._state = self._newest = None
         self._dropped = newest if self._lands else None
         self._tiers.pause()  # the snapshot in flight holds until the restore: the recovery gets the CPU
+
+    @staticmethod
+    def _land(dst: list[jax.Array], state: Any, devices: tuple[Any, ...]) -> tuple[Any, bool]:
+        """``state`` (borrowed) in ``dst``'s buffers, or (when they cannot take it) in fresh ones; whether it landed.
+        Only a lost slice's error propagates: the landing is an optimisation."""
+        try:
+            landed = runtime.guarded(runtime.land, devices)(dst, state)
+        except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
+            if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
+                raise
+            landed = None
+        if landed is not None:
+            return landed, True
+        return runtime.guarded(runtime.owned, devices)(state), False
 
     def _landing(self, shardings: Any) -> list[jax.Array] | None:
         """The dropped state's buffers, to take the restore (taken once: dropped either way)."""
