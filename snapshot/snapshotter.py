@@ -370,7 +370,15 @@ class Snapshotter:
         ``borrow=True``: a device may instead receive the snapshot's own bytes, wrapped without a copy where the
         backend can (aligned host memory on CPU); ``Restored.borrowed`` says so. The caller then copies the state
         into buffers of its own (``runtime.land``) before it saves again: until then it aliases this snapshot.
+
+        A copy paused for the restore (:meth:`pause`) goes on once it returns (or stops, if it was restored from).
         """
+        try:
+            return self._load(target, available, borrow)
+        finally:
+            self.resume()
+
+    def _load(self, target: Any, available: Any, borrow: bool) -> Restored:
         with self._cv:
             req = self._pending or self._in_flight
             staged = (req, req.sources) if req is not None and req.sources else None
@@ -403,7 +411,6 @@ class Snapshotter:
             else:
                 log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
                 self._abandon(req)
-                self.resume()
                 self._stats["last_load_wait_seconds"] = 0.0
                 return Restored(
                     step=req.step,

@@ -102,7 +102,7 @@ def sibling(state: Any, outputs: Any) -> jax.Array | None:
     ]
     if not others:
         return None
-    best = min(others, key=lambda x: x.nbytes) if len(others) > 1 else others[0]
+    best = min(others, key=lambda x: x.nbytes)
     if (best.ndim and best.nbytes > _SIBLING_BYTES) or best.is_deleted() or not _computing(best):
         return None  # computed already: a program's output is not ready before the program is done
     return best

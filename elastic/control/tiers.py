@@ -90,10 +90,11 @@ class TierSet:
                 tiers.persistent_dir, every=tiers.persistent_every, job=self._config.job_name
             )
 
-    @property
-    def abstract(self) -> Any:
-        """The state's structure, shapes and dtypes (what every restore produces)."""
-        return self._abstract
+    def target(self, shardings: Any) -> Any:
+        """The state as every restore produces it, abstract, each leaf carrying its sharding from ``shardings``."""
+        return jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract, shardings
+        )
 
     def ready(self) -> None:
         """Until the keepers that ``start`` asked for answer (raises if none does)."""
@@ -162,7 +163,6 @@ class TierSet:
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:
             self._log.warning("memory_tier_unusable", epoch=epoch, error=str(err)[:300])
         finally:
-            self._snapshots.resume()
             self.last_wait_seconds = self._snapshots.stats()["last_load_wait_seconds"]
         held_in_memory = self._snapshots.latest is not None
         if self._keepers is not None:
@@ -172,10 +172,7 @@ class TierSet:
                 meta = {k: v for k, v in image.meta.items() if k != "_values"}
                 return Restored(step=image.step, generation=image.generation, state=state, meta=meta, tier="keeper")
         if self._persistent is not None and self._persistent.latest_step() is not None:
-            target = jax.tree_util.tree_map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract, shardings
-            )
-            step, state, meta = self._persistent.load(target)
+            step, state, meta = self._persistent.load(self.target(shardings))
             return Restored(step=step, generation=step, state=state, meta=meta, tier="persistent")
         if held_in_memory:
             raise ElasticError(

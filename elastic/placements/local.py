@@ -206,10 +206,7 @@ class LocalPlacement:
         if dropped is None:
             return None
         try:
-            target = jax.tree_util.tree_map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._tiers.abstract, shardings
-            )
-            return runtime.landing(dropped, target)
+            return runtime.landing(dropped, self._tiers.target(shardings))
         except Exception:  # noqa: BLE001 - an optimisation: a state it cannot read restores into fresh buffers
             return None
 
