@@ -5,10 +5,12 @@ snapshot's step). On the CPU backend a fresh buffer costs its page faults: measu
 filled at 1.5-3.5 GB/s when freshly allocated against 8-11 GB/s into memory already mapped. So a restore there
 wraps the snapshot's bytes without a copy (``Snapshotter.load(borrow=True)``) and copies them, in one compiled
 program per mesh, into the dropped state's survivor buffers, which it donates: the restore runs at memory speed
-and allocates nothing. :func:`landing` says whether the dropped state can take the restored one (every leaf has a
-ready buffer of the right shard shape on every target device); the program is compiled ahead with the standby
-executables (:func:`land_args` is what to record). On other backends, or when a buffer is missing, the restore
-copies into fresh buffers as before.
+and allocates nothing. A shard the restore kept in place (a survivor's own buffer of the snapshot's step,
+``Restored.kept``) is not copied: on that device the program leaves the dropped buffer as it is, and the kept
+shard takes its place in the result. :func:`landing` says whether the dropped state can take the restored one
+(every leaf has a ready buffer of the right shard shape on every target device); the program is compiled ahead
+with the standby executables (:func:`land_args` is what to record). On other backends, or when a buffer is
+missing, the restore copies into fresh buffers as before.
 """
 
 from __future__ import annotations
@@ -18,17 +20,64 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+import numpy as np
+from jax import shard_map
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .freeing import discard, wake
 
 __all__ = ["LAND", "land", "land_args", "landing", "landing_pays", "owned"]
 
 
-def _into(dst: Any, src: Any) -> Any:
-    """The landing program: ``src``, written into the buffers of ``dst`` (donated, and kept although unread)."""
-    return src
+def _into(mesh: Mesh, specs: tuple[P, ...], flags: jax.Array, dst: list[Any], src: list[Any]) -> list[Any]:
+    """The landing program: on each device, leaf ``i``'s shard of ``src`` written into its buffer of ``dst``
+    (donated) where ``flags[i, d]`` is set for that device's place ``d`` in the mesh; elsewhere ``dst``'s shard as
+    it is (nothing copied)."""
+
+    def per_device(f: jax.Array, old: list[Any], new: list[Any]) -> list[Any]:
+        me = jax.lax.axis_index(tuple(mesh.axis_names))
+        return [
+            jax.lax.cond(f[i, me], lambda a, b: b, lambda a, b: a, a, b)
+            for i, (a, b) in enumerate(zip(old, new, strict=True))
+        ]
+
+    return shard_map(
+        per_device, mesh=mesh, in_specs=(P(), list(specs), list(specs)), out_specs=list(specs), check_vma=False
+    )(flags, dst, src)
 
 
-LAND = jax.jit(_into, donate_argnums=0, keep_unused=True)
+_PROGRAM = jax.jit(_into, static_argnums=(0, 1), donate_argnums=3, keep_unused=True)
+
+
+class _Land:
+    """The landing program, called (and recorded for the standby compiles) as ``(flags, dst, src)``: its mesh is
+    the arguments' and the leaves' specs theirs."""
+
+    def __call__(self, flags: Any, dst: list[Any], src: list[Any]) -> list[Any]:
+        return _PROGRAM(flags.sharding.mesh, _specs(dst), flags, dst, src)
+
+    def lower(self, flags: Any, dst: list[Any], src: list[Any]) -> Any:
+        return _PROGRAM.lower(flags.sharding.mesh, _specs(dst), flags, dst, src)
+
+
+LAND = _Land()
+
+
+def _specs(leaves: list[Any]) -> tuple[P, ...]:
+    return tuple(x.sharding.spec for x in leaves)
+
+
+def _flags(mesh: Mesh, kept: list[frozenset[Any]]) -> jax.Array:
+    """Per leaf and place in ``mesh`` (its devices in order): whether that device copies (its shard was not kept
+    in place). Its shape does not depend on the mesh (as many places as the process has devices), so that the
+    program recorded on one mesh is the one compiled for another."""
+    where = {d: i for i, d in enumerate(mesh.devices.flat)}
+    flags = np.ones((len(kept), jax.device_count()), dtype=bool)
+    for i, devices in enumerate(kept):
+        for d in devices:
+            flags[i, where[d]] = False
+    return jax.device_put(flags, NamedSharding(mesh, P()))
 
 
 def _landable(x: Any) -> bool:
@@ -48,11 +97,18 @@ def landing_pays(devices: Iterable[Any]) -> bool:
     return all(d.platform == "cpu" for d in devices)
 
 
-def land_args(state: Any) -> tuple[list[Any], list[Any]]:
+def land_args(state: Any) -> tuple[Any, ...]:
     """The landing program's arguments for a state shaped and placed like ``state`` (to record for the
-    standby compiles, so that a landing compiles nothing)."""
+    standby compiles, so that a landing compiles nothing); () when it has nothing to land on one mesh."""
     leaves = [x for x in jax.tree_util.tree_leaves(state) if _landable(x)]
-    return leaves, leaves
+    mesh = _mesh(leaves)
+    return () if mesh is None else (_flags(mesh, [frozenset()] * len(leaves)), leaves, leaves)
+
+
+def _mesh(leaves: list[Any]) -> Mesh | None:
+    """The mesh every one of ``leaves`` is placed on; None when there is none or more than one."""
+    meshes = {x.sharding.mesh for x in leaves}
+    return meshes.pop() if len(meshes) == 1 else None
 
 
 def landing(old: Any, target: Any) -> list[jax.Array] | None:
@@ -107,31 +163,53 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
     return False
 
 
-def land(dst: list[jax.Array], state: Any) -> Any | None:
+def land(dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...] = ()) -> Any | None:
     """``state`` with its landable leaves copied into ``dst``'s buffers (:func:`landing`), which are donated:
-    nothing is allocated, and the result aliases nothing ``state`` held. Returns at once; the copies run on the
-    devices. None (nothing done) when ``state`` reads memory of one of ``dst``'s buffers (its own shard, or a view
-    of one): a buffer cannot be both donated and read by one call (use :func:`owned`)."""
+    nothing is allocated. ``kept``: per leaf of ``state`` (``tree_leaves`` order), the devices whose shard the
+    restore kept in place (the runtime's own buffer); those stay as they are and nothing is copied there. Every
+    other shard of the result aliases nothing ``state`` held. Returns at once; the copies run on the devices.
+    None (nothing done) when ``state`` reads memory of one of ``dst``'s buffers (its own shard, or a view of one):
+    a buffer cannot be both donated and read by one call (use :func:`owned`), or when the leaves are not all on
+    one mesh."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     where = [i for i, x in enumerate(leaves) if _landable(x)]
-    if _overlap(_spans(dst), _spans(leaves[i] for i in where)):
+    src = [leaves[i] for i in where]
+    mesh = _mesh(dst + src)
+    if not where or mesh is None or _overlap(_spans(dst), _spans(src)):
         return None
+    keep = [kept[i] if i < len(kept) else frozenset() for i in where]
     with warnings.catch_warnings():  # a buffer something else still reads is copied instead of donated: fine
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        copied = LAND(dst, [leaves[i] for i in where])
-    for i, x in zip(where, copied, strict=True):
+        copied = LAND(_flags(mesh, keep), dst, src)
+    stale = []
+    for i, devices, x in zip(where, keep, copied, strict=True):
+        if devices:  # the kept shards take the place of the buffers left as they were there
+            mine = {s.device: s.data for s in leaves[i].addressable_shards}
+            out = {s.device: s.data for s in x.addressable_shards}
+            stale.append(x)
+            order = x.sharding.addressable_devices_indices_map(x.shape)
+            x = jax.make_array_from_single_device_arrays(
+                x.shape, x.sharding, [mine[d] if d in devices else out[d] for d in order]
+            )
         leaves[i] = x
+    if stale:  # the dropped state's buffers under the kept shards: freed off this thread
+        del copied, mine, out, x
+        discard(stale)
+        del stale
+        wake()
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def owned(state: Any) -> Any:
+def owned(state: Any, kept: tuple[frozenset[Any], ...] = ()) -> Any:
     """``state`` with every landable leaf's shards copied into fresh buffers the runtime owns (what a restore
-    that could not land does with a borrowed state)."""
-
-    def copy(x: Any) -> Any:
-        if not _landable(x):
-            return x
-        shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
-        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-
-    return jax.tree_util.tree_map(copy, state)
+    that could not land does with a borrowed state), but for the shards ``kept`` in place (as in :func:`land`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    for i, x in enumerate(leaves):
+        if _landable(x):
+            devices = kept[i] if i < len(kept) else frozenset()
+            shards = [
+                s.data if s.device in devices else jax.device_put(s.data, s.device, may_alias=False)
+                for s in x.addressable_shards
+            ]
+            leaves[i] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -54,4 +54,5 @@ class Restored:
     tier: str = "memory"
     source: str = "copies"  # "staged": a snapshot still in flight, taken from the shards it staged
     shards_kept: int = 0  # device shards restored in place (nothing moved)
+    kept: tuple[frozenset[Any], ...] = ()  # per leaf of ``state`` (tree_leaves order): the devices of those shards
     borrowed: bool = False  # the state may alias the snapshot's host bytes: copy it before the snapshot moves on

@@ -405,10 +405,11 @@ class Snapshotter:
         if staged is not None and engine.name == "host" and (newest is None or staged[0].step >= newest):
             req, sources = staged
             try:
-                state, reused = restore_staged(req, sources, targets, available, self._guard, borrow=borrow)
+                state, kept = restore_staged(req, sources, targets, available, self._guard, borrow=borrow)
             except SnapshotUnavailableError:
                 log.info("snapshot_in_flight_unavailable", step=req.step)  # wait for its copies below
             else:
+                reused = sum(len(k) for k in kept)
                 log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
                 self._abandon(req)
                 self._stats["last_load_wait_seconds"] = 0.0
@@ -419,6 +420,7 @@ class Snapshotter:
                     meta=copylib.deepcopy(req.meta),
                     source="staged",
                     shards_kept=reused,
+                    kept=kept,
                     borrowed=borrow,
                 )
         t0 = time.perf_counter()

@@ -91,12 +91,12 @@ def restore_staged(
     guard: Guard | None,
     *,
     borrow: bool = False,
-) -> tuple[Any, int]:
+) -> tuple[Any, tuple[frozenset[Any], ...]]:
     """The state of a snapshot still in flight, placed on ``targets`` from its source shards on
     ``available`` devices (live device memory: no checksum exists yet, none is needed). A device that
     holds its own shard of exactly its target region keeps it as it is (nothing moves); any other device
     receives a fresh copy (``borrow``: the source's bytes wrapped where the backend can, valid while the source
-    shard lives). Returns the state and the number of shards kept in place.
+    shard lives). Returns the state and, per leaf (flattened), the devices whose shard was kept in place.
 
     Raises :class:`SnapshotUnavailableError` when a piece has no source shard left on those devices.
     """
@@ -112,10 +112,11 @@ def restore_staged(
         for i, plan in enumerate(req.plans)
     ]
     placed = []
-    reused = 0
+    kept_on: list[frozenset[Any]] = []
     for i, (leaf, sharding) in enumerate(zip(leaves, targets, strict=True)):
         if not isinstance(leaf, StagedLeaf):
             placed.append(copylib.deepcopy(leaf))
+            kept_on.append(frozenset())
             continue
         pieces: list[tuple[Index, np.ndarray]] = []
         own: dict[tuple[Any, Index], jax.Array] = {}
@@ -130,8 +131,8 @@ def restore_staged(
         kept = {d: own[(d, want)] for d, want in where.items() if (d, want) in own}
         copied = [(want, d) for d, want in where.items() if d not in kept]
         fresh = dict(zip([d for _, d in copied], fresh_shards(copied, pieces, leaf.dtype, borrow=borrow), strict=True))
-        reused += len(kept)
+        kept_on.append(frozenset(kept))
         arrays = [kept[d] if d in kept else fresh[d] for d in where]
         arr = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
         placed.append(arr if leaf.key_impl is None else wrap_keys(arr, leaf.key_impl, sharding))
-    return jax.tree_util.tree_unflatten(req.treedef, placed), reused
+    return jax.tree_util.tree_unflatten(req.treedef, placed), tuple(kept_on)

@@ -109,7 +109,7 @@ class LocalPlacement:
         state, landed = restored.state, False
         if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
             assert dst is not None
-            state, landed = self._land(dst, state, devices)
+            state, landed = self._land(dst, state, restored.kept, devices)
         del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
@@ -128,7 +128,7 @@ class LocalPlacement:
             tier=restored.tier,
             generation=restored.generation,
             source=restored.source,
-            shards_kept=0 if landed else restored.shards_kept,  # landed: every shard was copied, in one program
+            shards_kept=restored.shards_kept,  # landed or not, a shard kept in place was not copied
             meta=restored.meta,
             waited_s=round(self._tiers.last_wait_seconds, 3),
             detail={"landed": landed} if restored.borrowed else {},
@@ -147,8 +147,8 @@ class LocalPlacement:
             host.on_commit(step, batch, metrics, run.view, run)
             if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
                 self._prepared_for = run.epoch
-                if self._lands:  # and the program a restore there lands with
-                    self._standby.record(runtime.LAND, runtime.land_args(state), mesh)
+                if self._lands and (args := runtime.land_args(state)):  # and the program a restore there lands with
+                    self._standby.record(runtime.LAND, args, mesh)
                 self._standby.prepare(self._next_meshes(run.view))
 
         def changed(next_step: int) -> View | None:
@@ -187,18 +187,20 @@ class LocalPlacement:
         self._tiers.pause()  # the snapshot in flight holds until the restore: the recovery gets the CPU
 
     @staticmethod
-    def _land(dst: list[jax.Array], state: Any, devices: tuple[Any, ...]) -> tuple[Any, bool]:
-        """``state`` (borrowed) in ``dst``'s buffers, or (when they cannot take it) in fresh ones; whether it landed.
-        Only a lost slice's error propagates: the landing is an optimisation."""
+    def _land(
+        dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...], devices: tuple[Any, ...]
+    ) -> tuple[Any, bool]:
+        """``state`` (borrowed, but for the shards ``kept`` in place) in ``dst``'s buffers, or (when they cannot take
+        it) in fresh ones; whether it landed. Only a lost slice's error propagates: the landing is an optimisation."""
         try:
-            landed = runtime.guarded(runtime.land, devices)(dst, state)
+            landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
         except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
             if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
                 raise
             landed = None
         if landed is not None:
             return landed, True
-        return runtime.guarded(runtime.owned, devices)(state), False
+        return runtime.guarded(runtime.owned, devices)(state, kept), False
 
     def _landing(self, shardings: Any) -> list[jax.Array] | None:
         """The dropped state's buffers, to take the restore (taken once: dropped either way)."""

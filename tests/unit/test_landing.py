@@ -77,6 +77,42 @@ def test_a_restore_lands_in_the_dropped_states_buffers_on_the_survivors() -> Non
     assert landed["key"] is restored["key"] and landed["count"] == 3
 
 
+def test_a_shard_kept_in_place_is_not_copied_and_the_others_land() -> None:
+    """A restore that kept some shards in place (a survivor's own buffer of the snapshot's step): those stay as
+    they are, in the result; every other shard is copied into the dropped state's buffer on its device. ``owned``
+    keeps them too."""
+    devices = jax.devices()
+    old = _state(_mesh(devices), seed=11)
+    survivors = _mesh([d for d in devices if d.id not in (2, 3)])
+    target = _abstract(old, survivors)
+    before = {d: p for d, p in _pointers(old["w"]).items() if d not in (2, 3)}
+    restored = _state(survivors, seed=12)
+    mine = _pointers(restored["w"])
+    keep_w = frozenset(d for d in survivors.devices.flat if d.id in (0, 5, 6))
+    leaves, treedef = jax.tree_util.tree_flatten(restored)
+    kept = tuple(keep_w if x is restored["w"] else frozenset() for x in leaves)
+    expected = {k: np.asarray(restored[k]) for k in ("w", "b")}
+
+    fresh = owned(restored, kept)
+    assert {d: p for d, p in _pointers(fresh["w"]).items() if d in (0, 5, 6)} == {d: mine[d] for d in (0, 5, 6)}
+    assert all(_pointers(fresh["w"])[d] != mine[d] for d in (1, 4, 7))
+
+    dst = landing(old, target)
+    assert dst is not None
+    landed = land(dst, restored, kept)
+    assert landed is not None
+    jax.block_until_ready(landed)
+    got = _pointers(landed["w"])
+    assert {d: got[d] for d in (0, 5, 6)} == {d: mine[d] for d in (0, 5, 6)}  # kept: nothing moved
+    assert {d: got[d] for d in (1, 4, 7)} == {d: before[d] for d in (1, 4, 7)}  # copied into the dropped buffers
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(landed[k]), expected[k])
+        assert landed[k].sharding == restored[k].sharding
+        for shard in landed[k].addressable_shards:  # every device holds its own region of the restored value
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[k][shard.index])
+    assert old["w"].is_deleted()
+
+
 def test_a_landing_needs_every_buffer_ready_and_whole() -> None:
     """No landing when a leaf of the dropped state is still computing, was donated, has shards of another shape, or
     the tree differs; the same state once computed lands."""
