@@ -798,8 +798,12 @@ def test_a_snapshot_in_flight_is_restored_from_its_staged_shards_without_waiting
     gate.set()
     saved(snap, 1, make_state(seed=1, specs=data_parallel))
     gate.clear()
+    copying.clear()  # set by step 1's copy: wait for step 2's
     state2 = make_state(seed=2, specs=data_parallel)
     expected = tree_bits(state2)
+    # every shard computed, as a state a snapshot follows is (``tree_bits`` reads one replica of a replicated leaf):
+    # a shard still being computed has no staged view, and then the restore waits for the copy
+    jax.block_until_ready(state2)
     snap.save(2, state2, {"cursor": 2})
     try:
         assert copying.wait(30)
