@@ -8,7 +8,7 @@ from .freeing import flush as flush_releases
 from .freeing import wake as wake_releases
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
-from .landing import LAND, land, land_args, landing, landing_pays, owned
+from .landing import LAND, Landed, land, land_args, landing, landing_pays, owned
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from .reshard import StructureError, as_shardings, check_structure, reshard
 from .standby import StandbyCompiler, mesh_key
@@ -40,6 +40,7 @@ __all__ = (
     "is_recoverable",
     "is_slice_loss",
     "land",
+    "Landed",
     "land_args",
     "landing",
     "landing_pays",

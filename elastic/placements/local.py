@@ -58,6 +58,7 @@ class LocalPlacement:
         # a restore lands in the dropped state's buffers (runtime.landing)
         self._lands = runtime.landing_pays(d for s in topology.slices for d in s.devices)
         self._newest: Any = None  # the newest committed state of the last pass, confirmed or not
+        self._spare: list[jax.Array] = []  # the dropped buffers the last landing did not need, until its first step
         self._dropped: Any = None  # the state live at the last failure, until a restore lands in it
         self._standby = runtime.StandbyCompiler(max_meshes=config.num_slices + 1)
         self._standby.warm(lambda: runtime.warm_probes(topology.slices))
@@ -109,7 +110,7 @@ class LocalPlacement:
         state, landed = restored.state, False
         if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
             assert dst is not None
-            state, landed = self._land(dst, state, restored.kept, devices)
+            state, landed, self._spare = self._land(dst, state, restored.kept, devices)
         del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
@@ -147,6 +148,7 @@ class LocalPlacement:
             host.on_commit(step, batch, metrics, run.view, run)
             if self._prepared_for != run.epoch:  # the first step on this mesh ran: compile where we may go next
                 self._prepared_for = run.epoch
+                self._free_spare()
                 if self._lands and (args := runtime.land_args(state)):  # and the program a restore there lands with
                     self._standby.record(runtime.LAND, args, mesh)
                 self._standby.prepare(self._next_meshes(run.view))
@@ -184,14 +186,16 @@ class LocalPlacement:
         newest = self._newest if self._newest is not None else self._prepared[2] if self._prepared else None
         self._live = self._prepared = self._state = self._newest = None
         self._dropped = newest if self._lands else None
+        self._free_spare()
         self._tiers.pause()  # the snapshot in flight holds until the restore: the recovery gets the CPU
 
     @staticmethod
     def _land(
         dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...], devices: tuple[Any, ...]
-    ) -> tuple[Any, bool]:
+    ) -> tuple[Any, bool, list[jax.Array]]:
         """``state`` (borrowed, but for the shards ``kept`` in place) in ``dst``'s buffers, or (when they cannot take
-        it) in fresh ones; whether it landed. Only a lost slice's error propagates: the landing is an optimisation."""
+        it) in fresh ones; whether it landed, and the buffers of ``dst`` it left spare. Only a lost slice's error
+        propagates: the landing is an optimisation."""
         try:
             landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
         except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
@@ -199,8 +203,17 @@ class LocalPlacement:
                 raise
             landed = None
         if landed is not None:
-            return landed, True
-        return runtime.guarded(runtime.owned, devices)(state, kept), False
+            return landed.state, True, landed.spare
+        return runtime.guarded(runtime.owned, devices)(state, kept), False, []
+
+    def _free_spare(self) -> None:
+        """The buffers the last landing left spare, freed on the release thread (after the first step on the new
+        mesh, or at the next failure)."""
+        spare, self._spare = self._spare, []
+        if spare:
+            runtime.discard(spare)
+            del spare
+            runtime.wake_releases()
 
     def _landing(self, shardings: Any) -> list[jax.Array] | None:
         """The dropped state's buffers, to take the restore (taken once: dropped either way)."""

@@ -65,8 +65,9 @@ def test_a_restore_lands_in_the_dropped_states_buffers_on_the_survivors() -> Non
     dst = landing(old, target)
     assert dst is not None and len(dst) == 2  # the two plain arrays; the key and the int pass through
     restored = _state(survivors, seed=2)
-    landed = land(dst, restored)
-    assert landed is not None
+    result = land(dst, restored)
+    assert result is not None and result.spare == []  # nothing kept in place: every buffer taken
+    landed = result.state
     jax.block_until_ready(landed)
 
     assert _pointers(landed["w"]) == before  # the same memory, now holding the restored values
@@ -99,9 +100,12 @@ def test_a_shard_kept_in_place_is_not_copied_and_the_others_land() -> None:
 
     dst = landing(old, target)
     assert dst is not None
-    landed = land(dst, restored, kept)
-    assert landed is not None
+    result = land(dst, restored, kept)
+    assert result is not None
+    landed = result.state
     jax.block_until_ready(landed)
+    # the dropped buffers under the kept shards come back spare, to be freed off the recovery's path
+    assert sorted(x.unsafe_buffer_pointer() for x in result.spare) == sorted(before[d] for d in (0, 5, 6))
     got = _pointers(landed["w"])
     assert {d: got[d] for d in (0, 5, 6)} == {d: mine[d] for d in (0, 5, 6)}  # kept: nothing moved
     assert {d: got[d] for d in (1, 4, 7)} == {d: before[d] for d in (1, 4, 7)}  # copied into the dropped buffers
@@ -203,6 +207,7 @@ def test_a_landing_onto_a_standby_mesh_compiles_nothing() -> None:
         dst = landing(old, target)
         assert dst is not None
         landed = land(dst, _state(survivors, seed=9))
+        assert landed is not None
         jax.block_until_ready(landed)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
@@ -229,7 +234,7 @@ def test_a_borrowed_restore_holds_the_snapshots_values_and_says_so() -> None:
         assert dst is not None
         landed = land(dst, lent.state)
         assert landed is not None
-        np.testing.assert_array_equal(np.asarray(landed["w"]), np.asarray(state["w"]))
+        np.testing.assert_array_equal(np.asarray(landed.state["w"]), np.asarray(state["w"]))
         again = snaps.load(target)  # the snapshot is intact after the landing
         np.testing.assert_array_equal(np.asarray(again.state["w"]), np.asarray(state["w"]))
     finally:
