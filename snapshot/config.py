@@ -53,6 +53,10 @@ class Restored:
     meta: dict[str, Any]
     tier: str = "memory"
     source: str = "copies"  # "staged": a snapshot still in flight, taken from the shards it staged
-    shards_kept: int = 0  # device shards restored in place (nothing moved)
-    kept: tuple[frozenset[Any], ...] = ()  # per leaf of ``state`` (tree_leaves order): the devices of those shards
+    kept: tuple[frozenset[Any], ...] = ()  # per leaf of ``state`` (tree_leaves order): devices whose shard was kept
     borrowed: bool = False  # the state may alias the snapshot's host bytes: copy it before the snapshot moves on
+
+    @property
+    def shards_kept(self) -> int:
+        """Device shards restored in place (nothing moved)."""
+        return sum(len(devices) for devices in self.kept)

@@ -409,8 +409,7 @@ class Snapshotter:
             except SnapshotUnavailableError:
                 log.info("snapshot_in_flight_unavailable", step=req.step)  # wait for its copies below
             else:
-                reused = sum(len(k) for k in kept)
-                log.info("snapshot_restored_from_staged", step=req.step, shards_reused=reused)
+                log.info("snapshot_restored_from_staged", step=req.step, shards_reused=sum(len(k) for k in kept))
                 self._abandon(req)
                 self._stats["last_load_wait_seconds"] = 0.0
                 return Restored(
@@ -419,7 +418,6 @@ class Snapshotter:
                     state=state,
                     meta=copylib.deepcopy(req.meta),
                     source="staged",
-                    shards_kept=reused,
                     kept=kept,
                     borrowed=borrow,
                 )

@@ -158,9 +158,8 @@ class Controller:
             )
             return Failed(cause)
         if isinstance(action, NoteFailure):
-            leftovers, self._leftovers = self._leftovers, None
-            runtime.discard(leftovers)
-            del leftovers
+            runtime.discard(self._leftovers)
+            self._leftovers = None
             runtime.wake_releases()  # the release thread now holds the only reference: it frees them
             self._acct.failure(action.cause)
             self._recovering = True

@@ -209,10 +209,9 @@ class LocalPlacement:
     def _free_spare(self) -> None:
         """The buffers the last landing left spare, freed on the release thread (after the first step on the new
         mesh, or at the next failure)."""
-        spare, self._spare = self._spare, []
-        if spare:
-            runtime.discard(spare)
-            del spare
+        if self._spare:
+            runtime.discard(self._spare)
+            self._spare = []  # the release thread now holds the only reference
             runtime.wake_releases()
 
     def _landing(self, shardings: Any) -> list[jax.Array] | None:
