@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -117,6 +117,7 @@ class ProcessPlacement:
         self._aborted_epoch = -1
         self._service: distributed.CoordinationService | None = None
         self._died: set[int] = set()  # the members whose process died in the last _collect
+        self._gone: set[int] = set()  # slices whose process died or was ended since their last group (replaced)
         self._loop_ref: Any = None
         self._reached = -1  # the highest step any pass started (a drill's fault fires only past it)
         self._last_pid: dict[int, int] = {}  # slice -> the process it ran the last group in
@@ -201,6 +202,7 @@ class ProcessPlacement:
             )
         except jax.errors.JaxRuntimeError:
             died = self._died & set(previous)  # a survivor of the last group died as this one formed
+            self._gone |= self._died
             self.figures["survivors_lost"] += len(self._collateral(died - self._targeted(plan, died)))
             raise
         finally:
@@ -208,11 +210,12 @@ class ProcessPlacement:
                 old.stop()
         self._plan, self._members, self._handles = plan, members, handles
         self._incarnations = {s: i for s, i in incarnations.items() if i is not None}
-        for s, res in results.items():  # a member that ran the last group in another process was restarted
-            if s in self._last_pid and res["pid"] != self._last_pid[s] and s in previous:
-                self.figures["worker_processes_restarted"] += 1
+        pids = {s: res["pid"] for s, res in results.items()}
+        self.figures["worker_processes_restarted"] += len(restarted(pids, previous, self._last_pid, self._gone))
+        for s, res in results.items():
             self._last_pid[s] = self._pids[s] = res["pid"]
             self._nodes[s] = res.get("node", "")
+        self._gone -= set(results)
         self.figures["worker_pids"] = dict(self._pids)
         reform = max(r.get("reform_seconds") or 0.0 for r in results.values())
         if self._recovering:
@@ -421,6 +424,7 @@ class ProcessPlacement:
             raise ElasticError(
                 f"slice {errors[0]['slice']}'s loop failed: {errors[0]['error']}\n{errors[0].get('traceback', '')}"
             )
+        self._gone |= lost
         failed = sorted(lost | {s for s, r in results.items() if r["status"] in ("failed", "hung")})
         if failed:
             self._failed_at = time.time()
@@ -643,6 +647,7 @@ class ProcessPlacement:
     def _kill(self, s: int) -> None:
         """End the process slice ``s`` ran the current group in (``ray.kill``; a stopped process on this node is
         SIGKILLed too). A newer worker of that slice, starting meanwhile, is left alone."""
+        self._gone.add(s)
         handle = self._handles.get(s)
         if handle is not None:
             try:
@@ -660,6 +665,13 @@ class ProcessPlacement:
         if self._service is not None:
             self._service.stop()
             self._service = None
+
+
+def restarted(pids: dict[int, int], previous: Iterable[int], last: dict[int, int], gone: set[int]) -> set[int]:
+    """The members of a new group (slice -> process id, ``pids``) that were in the ``previous`` group in another
+    process (``last``), though that process was neither lost nor ended (``gone``): a survivor restarted instead of
+    re-formed in place. A lost worker's replacement is not one (its loss is counted where it was seen)."""
+    return {s for s in previous if s in pids and s in last and s not in gone and pids[s] != last[s]}
 
 
 class _RunInfo:

@@ -17,6 +17,7 @@ from elastic import runtime
 from elastic.config import ElasticConfig, Processes
 from elastic.errors import ConfigError
 from elastic.placements.holdings import Holdings, common_step, regions_of
+from elastic.placements.processes import restarted
 from elastic.placements.restore import layout_of, restore_state
 from elastic.snapshot import HostImage
 from elastic.snapshot.image import LeafImage, Piece, checksum
@@ -137,6 +138,17 @@ def test_keeper_parts_make_a_whole_step_only_together() -> None:
     assert not _covers([part(0, 4)])
     assert _covers([part(0, 4), part(4, 8)])
     assert _covers([part(0, 4), part(0, 4), part(4, 8)])  # replicas of a region count once
+
+
+def test_a_lost_workers_replacement_is_not_a_restarted_survivor() -> None:
+    """Group {0, 1, 2} ran in pids 10, 11, 12. Slice 0 was killed and slice 1 died with it (gloo), and both
+    replacements registered before the next group formed: neither is a survivor restarted. Slice 2 re-formed in a
+    new process though its own was never lost: that one is. A slice new to the group (3) is neither."""
+    last = {0: 10, 1: 11, 2: 12}
+    now = {0: 20, 1: 21, 2: 22, 3: 23}
+    assert restarted(now, (0, 1, 2), last, gone={0, 1}) == {2}
+    assert restarted({0: 10, 1: 11, 2: 12}, (0, 1, 2), last, gone=set()) == set()  # re-formed in place
+    assert restarted(now, (0, 1, 2), last, gone={0, 1, 2}) == set()
 
 
 def test_a_jitted_call_survives_the_trip_to_another_process() -> None:
