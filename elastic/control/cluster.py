@@ -51,7 +51,11 @@ def connect(address: str | None = None) -> bool:
         if address:
             ray.init(address=address, **common)
         else:
-            context = ray.init(address="local", include_dashboard=False, **common)
+            # Ray's workers start at nice 15, below any busy neighbour: the job's processes start at 0 instead (on a
+            # cluster of your own, start Ray with RAY_worker_niceness=0; see elastic.priority)
+            context = ray.init(
+                address="local", include_dashboard=False, _system_config={"worker_niceness": 0}, **common
+            )
     quiet.route_ray_errors()
     if address:
         return False

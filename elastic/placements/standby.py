@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from elastic import priority
 from elastic.log import get_logger
 from elastic.runtime import distributed
 
@@ -37,6 +38,7 @@ class StandbyProcess:
     def __init__(self, cache_dir: str, env: dict[str, str]) -> None:
         import jax
 
+        priority.background()  # it only saves a later recovery a compile: the job's workers come first
         distributed.setup_process(env)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

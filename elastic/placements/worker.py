@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import ray
 
-from elastic import runtime
+from elastic import priority, runtime
 from elastic.api.run import Regroup, Run
 from elastic.api.shardings import replicate_all, state_shardings
 from elastic.config import ElasticConfig
@@ -110,6 +110,7 @@ class SliceWorker:
     def __init__(
         self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec, env: dict[str, str] | None = None
     ) -> None:
+        priority.normal("worker", job=spec.config.job_name, slice=slice_index)  # its threads to come inherit it
         if env:  # before this process's jax backend starts (its devices, the collective timeout)
             distributed.setup_process(env)
         self.slice = slice_index

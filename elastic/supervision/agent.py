@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from elastic import priority
 from elastic.log import get_logger
 
 __all__ = ["SliceAgent", "SliceGroupAgent"]
@@ -22,6 +23,7 @@ __all__ = ["SliceAgent", "SliceGroupAgent"]
 @ray.remote(num_cpus=0)
 class SliceAgent:
     def __init__(self, slice_index: int, incarnation: int, supervisor: Any, interval_s: float, job: str) -> None:
+        priority.normal("agent", job=job, slice=slice_index)  # a late heartbeat is a false alarm
         self._slice = slice_index
         self._incarnation = incarnation
         self._supervisor = supervisor
@@ -81,6 +83,7 @@ class SliceGroupAgent:
     all of them, so its death loses every slice it holds. ``slices`` maps each slice to its incarnation."""
 
     def __init__(self, slices: dict[int, int], supervisor: Any, interval_s: float, job: str) -> None:
+        priority.normal("agent", job=job, slices=len(slices))
         self._slices = dict(slices)
         self._supervisor = supervisor
         self._interval_s = interval_s

@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 
+from elastic import priority
 from elastic.errors import AccessError, SupervisorError
 from elastic.log import get_logger
 from elastic.supervision import credential
@@ -57,6 +58,7 @@ class Supervisor:
     def __init__(
         self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str, token: str | None = None
     ) -> None:
+        priority.normal("supervisor", job=job)  # a starved judge of heartbeats raises false alarms
         self._job = job
         self._policy = policy
         self._heartbeat_timeout_s = heartbeat_timeout_s

@@ -90,9 +90,13 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
             policy=Policy(min_slices=1, repair_timeout_s=120.0),
         )
         removed: list[int] = []
+        niceness: dict[int, set[int]] = {}
 
         def remove_at_six(step: int, metrics: dict, run) -> None:  # noqa: ANN001 - on the driver, per commit
             if step == 6 and not removed:
+                for s in range(4):  # every thread of every worker, Ray's included (nodes of one machine here)
+                    pid = ray.get(job.group.agent(s).where.remote())[0]
+                    niceness[s] = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
                 node_id = ray.get(job.group.agent(1).where.remote())[1]
                 removed.extend(s for s in range(4) if ray.get(job.group.agent(s).where.remote())[1] == node_id)
                 (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
@@ -104,6 +108,8 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
             result = job.run(_held_loop(config.namespace, at_step=20))
         report = result.report.to_dict()
         assert len(removed) == 2  # the scheduler put two on each host
+        if os.geteuid() == 0:  # Ray started them at nice 15 (this cluster is not connect's): they left it
+            assert niceness == {s: {0} for s in range(4)}, niceness
         assert report["recoveries"] >= 1 and report["grows"] >= 1
         assert report["min_slices_seen"] <= 2 and report["slices_final"] == 4
         assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0
