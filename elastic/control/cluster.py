@@ -33,7 +33,7 @@ from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect"]
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]
 
 
 def connect(address: str | None = None) -> bool:
@@ -59,8 +59,18 @@ def connect(address: str | None = None) -> bool:
     quiet.route_ray_errors()
     if address:
         return False
-    _start_reaper(context.address_info["session_dir"])  # type: ignore[attr-defined]  # a RayContext
+    _AT_NORMAL_PRIORITY.add(context.address_info["gcs_address"])  # type: ignore[attr-defined]  # a RayContext
+    _start_reaper(context.address_info["session_dir"])  # type: ignore[attr-defined]
     return True
+
+
+_AT_NORMAL_PRIORITY: set[str] = set()  # the clusters started here: their workers start at nice 0
+
+
+def workers_start_niced() -> bool:
+    """Whether the cluster this process drives may start its worker processes below an ordinary priority (Ray's
+    nice 15): any cluster but an embedded one :func:`connect` started."""
+    return ray.get_runtime_context().gcs_address not in _AT_NORMAL_PRIORITY
 
 
 _REAPERS: list[int] = []  # the pids of the reapers started here

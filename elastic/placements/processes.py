@@ -29,10 +29,10 @@ import jax
 import numpy as np
 import ray
 
-from elastic import runtime
+from elastic import priority, runtime
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup
+from elastic.control.cluster import ActorGroup, workers_start_niced
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
 from elastic.errors import ElasticError
 from elastic.log import get_logger
@@ -48,6 +48,10 @@ POLL_S = 0.02  # how often a pass's progress is read
 RENEW_S = 0.5  # how often every member is told the driver lives (the workers' lease; worker.DRIVER_LEASE_S)
 STOP_MARGIN_STEPS = 2  # a boundary for a new view is planned this many steps after the progress seen
 PROBE_S = 10.0  # a worker that does not answer a ping within this is dead (a stopped process, a lost node)
+# A worker process on a cluster that starts them at Ray's nice 15 asks for an ordinary priority from its start
+# (elastic.priority). Not on the embedded cluster, which starts every worker at 0: there it would cost an idle
+# process reused (0.5-1 s of the multi-process demo's start).
+NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": str(priority.NORMAL)}}
 
 
 def process_env(config: ElasticConfig) -> dict[str, str]:
@@ -74,7 +78,8 @@ class WorkerProcesses:
     def actor_options(self) -> dict[str, Any]:
         """Ray options that place a process of this job (a worker, or a standby helper). No ``runtime_env``: a
         process sets its environment up itself (:func:`runtime.distributed.setup_process`), so Ray may hand it one
-        of its idle processes instead of starting one per environment (1.2 s saved of each worker's start here)."""
+        of its idle processes instead of starting one per environment (1.2 s saved of each worker's start here).
+        Only a worker on a cluster that starts them niced asks for one (:data:`NORMAL_PRIORITY`)."""
         assert self._config.processes is not None
         return {**self._config.processes.worker_options(), "max_restarts": 0}
 
@@ -82,6 +87,8 @@ class WorkerProcesses:
         return process_env(self._config)
 
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+        if workers_start_niced():  # its imports too start at an ordinary priority, without any right to raise it
+            options = {**options, "runtime_env": NORMAL_PRIORITY}
         return (
             ray.remote(SliceWorker)
             .options(**self.actor_options(), **options, max_concurrency=16)
