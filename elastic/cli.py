@@ -54,6 +54,15 @@ _DEMO_DEFAULTS = {
 _MULTI = ("multi-process", "multi-process-driver-crash")
 
 
+def _quiet_native(verbose: bool) -> None:
+    """Unless verbose, jax's native log stays quiet below FATAL (read once, as jaxlib loads: call this first). In
+    multi-process mode the coordination service hosted here logs a warning at each group it forms (recoverable
+    tasks are experimental) and an error for each group that does not form (a worker lost meanwhile): the job's
+    own events and errors say the same in its words."""
+    if not verbose:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
 def _demo(args: argparse.Namespace) -> int:
     multi = args.scenario in _MULTI
     for name, value in _DEMO_DEFAULTS["multi-process" if multi else "slice-loss"].items():
@@ -63,8 +72,7 @@ def _demo(args: argparse.Namespace) -> int:
         args.kill_client_at = 21 if multi else 75
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if multi and not args.verbose:  # each group's coordination service warns that
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # recoverable tasks are experimental: errors only
+    _quiet_native(args.verbose)
     _force_cpu_devices(args.slices * args.devices_per_slice)
     from elastic.control.cluster import connect
     from elastic.demos.demo import DemoSpec, run_demo
@@ -126,6 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _quiet_native(args.verbose)
     from elastic.chaos.report import ScheduleResult
     from elastic.chaos.runner import ChaosRunner
     from elastic.log import configure_logging

@@ -29,7 +29,7 @@ def readme_block(first_line: str) -> str:
     return block
 
 
-def chaos(*args: str, cwd: Path | None = None) -> dict:
+def chaos(*args: str, cwd: Path | None = None, stderr: list[str] | None = None) -> dict:
     proc = subprocess.run(
         [str(ELASTIC), "chaos", "--json", *args],
         capture_output=True,
@@ -42,6 +42,8 @@ def chaos(*args: str, cwd: Path | None = None) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
+    if stderr is not None:
+        stderr.extend(line for line in proc.stderr.splitlines() if line.strip())
     return json.loads(lines[0])
 
 
@@ -64,6 +66,16 @@ def test_chaos_cli_on_the_demo():
     assert [r["scenario"] for r in out["runs"]] == ["kill", "corrupt"]
     assert [r["faults"][0]["phase"] for r in out["runs"]] == ["snapshot", "step"]
     assert all(r["restores"] for r in out["runs"]) and out["recovered"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native():
+    """Each group the driver forms hosts a coordination service, whose native log warned at each one (and logged an
+    error for a group a fault kept from forming): a quiet run prints its own progress lines only."""
+    err: list[str] = []
+    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", stderr=err)
+    assert_survived(out, 1)
+    assert len(err) == 1 and err[0].startswith("schedule 1 transient: finished"), err
 
 
 @pytest.mark.timeout(300)
