@@ -58,9 +58,10 @@ def _quiet_native(verbose: bool) -> None:
     """Unless verbose, jax's native log stays quiet below FATAL (read once, as jaxlib loads: call this first). In
     multi-process mode the coordination service hosted here logs a warning at each group it forms (recoverable
     tasks are experimental) and an error for each group that does not form (a worker lost meanwhile): the job's
-    own events and errors say the same in its words."""
-    if not verbose:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    own events and errors say the same in its words. A level the environment asks for is kept, but for jax's own
+    default (1), which any parent process that imported jax passes on."""
+    if not verbose and os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 
 def _demo(args: argparse.Namespace) -> int:
