@@ -177,6 +177,7 @@ def measure(report: dict, state: object, job_start: float) -> dict:
         "restore_source": restored.get("source"),
         "shards_kept_in_place": restored.get("shards_kept", 0),
         "landed": bool(restored.get("landed", False)),
+        **({"not_landed": restored["not_landed"]} if restored.get("not_landed") else {}),  # why, when it did not
         "restored_bytes_on_devices": placed,
         "phases": {k: round(v, 3) for k, v in phases.items()},
         "restore_tier": report["restores"][0]["tier"] if report["restores"] else None,

@@ -107,10 +107,11 @@ class LocalPlacement:
             self._fresh = True
             self._prepared = (view, mesh, state, self._init_step, {})
             return Placed(how="fresh", step=self._init_step)
-        state, landed = restored.state, False
+        state, landed, why = restored.state, False, ""
         if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
             assert dst is not None
-            state, landed, self._spare = self._land(dst, state, restored.kept, devices)
+            state, why, self._spare = self._land(dst, state, restored.kept, devices)
+            landed = not why
         del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
@@ -132,7 +133,7 @@ class LocalPlacement:
             shards_kept=restored.shards_kept,  # landed or not, a shard kept in place was not copied
             meta=restored.meta,
             waited_s=round(self._tiers.last_wait_seconds, 3),
-            detail={"landed": landed} if restored.borrowed else {},
+            detail=({"landed": landed} | ({"not_landed": why} if why else {})) if restored.borrowed else {},
         )
 
     def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
@@ -192,19 +193,20 @@ class LocalPlacement:
     @staticmethod
     def _land(
         dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...], devices: tuple[Any, ...]
-    ) -> tuple[Any, bool, list[jax.Array]]:
+    ) -> tuple[Any, str, list[jax.Array]]:
         """``state`` (borrowed, but for the shards ``kept`` in place) in ``dst``'s buffers, or (when they cannot take
-        it) in fresh ones; whether it landed, and the buffers of ``dst`` it left spare. Only a lost slice's error
-        propagates: the landing is an optimisation."""
+        it) in fresh ones; why it did not land ("" when it did: the timeline's ``restored`` event says why), and the
+        buffers of ``dst`` it left spare. Only a lost slice's error propagates: the landing is an optimisation."""
+        why = "the state reads a buffer it would donate, or is not on one mesh"
         try:
             landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
         except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
             if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
                 raise
-            landed = None
+            landed, why = None, f"{type(err).__name__}: {str(err)[:200]}"
         if landed is not None:
-            return landed.state, True, landed.spare
-        return runtime.guarded(runtime.owned, devices)(state, kept), False, []
+            return landed.state, "", landed.spare
+        return runtime.guarded(runtime.owned, devices)(state, kept), why, []
 
     def _free_spare(self) -> None:
         """The buffers the last landing left spare, freed on the release thread (after the first step on the new

@@ -264,3 +264,23 @@ def test_landing_is_for_cpu_memory_only(platform: str) -> None:
             self.platform = platform
 
     assert not landing_pays([_Device("cpu"), _Device(platform)])
+
+
+def test_a_restore_that_does_not_land_says_why_and_one_that_lands_says_nothing() -> None:
+    """The placement's landing step: a state that reads the buffers it would donate is copied into fresh ones, and
+    the reason goes to the timeline's ``restored`` event (``not_landed``); a state that can land gives no reason."""
+    from elastic.placements.local import LocalPlacement
+
+    devices = jax.devices()
+    mesh = _mesh(devices)
+    old = _state(mesh, seed=5)
+    dst = landing(old, _abstract(old, mesh))
+    assert dst is not None
+    copy, why, spare = LocalPlacement._land(dst, old, (), tuple(devices))
+    assert "reads a buffer it would donate" in why and spare == []
+    np.testing.assert_array_equal(np.asarray(copy["w"]), np.asarray(old["w"]))
+
+    restored = _state(mesh, seed=6)
+    landed, why, _ = LocalPlacement._land(dst, restored, (), tuple(devices))
+    assert why == ""
+    np.testing.assert_array_equal(np.asarray(landed["w"]), np.asarray(restored["w"]))
