@@ -70,7 +70,11 @@ _AT_NORMAL_PRIORITY: set[str] = set()  # the clusters started here: their worker
 def workers_start_niced() -> bool:
     """Whether the cluster this process drives may start its worker processes below an ordinary priority (Ray's
     nice 15): any cluster but an embedded one :func:`connect` started."""
-    return ray.get_runtime_context().gcs_address not in _AT_NORMAL_PRIORITY
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - a Ray Client connection may not say: assume Ray's default
+        return True
+    return address not in _AT_NORMAL_PRIORITY
 
 
 _REAPERS: list[int] = []  # the pids of the reapers started here
