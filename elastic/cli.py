@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 from elastic.ops import commands as ops_cli
-from elastic.quiet import set_verbose
+from elastic.quiet import quiet_native, set_verbose
 
 __all__ = ["main"]
 
@@ -54,16 +54,6 @@ _DEMO_DEFAULTS = {
 _MULTI = ("multi-process", "multi-process-driver-crash")
 
 
-def _quiet_native(verbose: bool) -> None:
-    """Unless verbose, jax's native log stays quiet below FATAL (read once, as jaxlib loads: call this first). In
-    multi-process mode the coordination service hosted here logs a warning at each group it forms (recoverable
-    tasks are experimental) and an error for each group that does not form (a worker lost meanwhile): the job's
-    own events and errors say the same in its words. A level the environment asks for is kept, but for jax's own
-    default (1), which any parent process that imported jax passes on."""
-    if not verbose and os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-
-
 def _demo(args: argparse.Namespace) -> int:
     multi = args.scenario in _MULTI
     for name, value in _DEMO_DEFAULTS["multi-process" if multi else "slice-loss"].items():
@@ -73,7 +63,8 @@ def _demo(args: argparse.Namespace) -> int:
         args.kill_client_at = 21 if multi else 75
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    _quiet_native(args.verbose)
+    if not args.verbose:
+        quiet_native()  # before jax loads
     _force_cpu_devices(args.slices * args.devices_per_slice)
     from elastic.control.cluster import connect
     from elastic.demos.demo import DemoSpec, run_demo
@@ -135,7 +126,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     result = _stdout_for_result()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    _quiet_native(args.verbose)
+    if not args.verbose:
+        quiet_native()  # before jax loads
     from elastic.chaos.report import ScheduleResult
     from elastic.chaos.runner import ChaosRunner
     from elastic.log import configure_logging

@@ -69,5 +69,5 @@ def background() -> int:
     allowed (a process may lower its own priority)."""
     try:
         return set_niceness(BACKGROUND)
-    except PermissionError:  # a thread above BACKGROUND already: raising niceness is always allowed, so not here
+    except PermissionError:  # a thread already below that priority (niceness above 15) may not be raised back
         return os.getpriority(os.PRIO_PROCESS, 0)

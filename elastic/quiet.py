@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["route_ray_errors", "route_ray_loggers", "set_verbose", "starting_ray", "verbose"]
+__all__ = ["quiet_native", "route_ray_errors", "route_ray_loggers", "set_verbose", "starting_ray", "verbose"]
 
 _VERBOSE: list[bool] = []  # set by set_verbose (the CLI's -v); else ELASTIC_VERBOSE decides
 
@@ -38,6 +38,16 @@ def verbose() -> bool:
     if _VERBOSE:
         return _VERBOSE[0]
     return os.environ.get("ELASTIC_VERBOSE", "").lower() in ("1", "true", "yes")
+
+
+def quiet_native(level: int = 3) -> None:
+    """jax's native log below ``level`` stays quiet (3: all but FATAL). It is read once, as jaxlib loads: call this
+    before jax is imported. In multi-process mode the coordination service the driver hosts logs a warning at each
+    group it forms (recoverable tasks are experimental) and an error for each group that does not form (a worker
+    lost meanwhile): the job's own events and errors say the same in its words. A level the environment asks for
+    is kept, but for jax's own default (1), which any parent process that imported jax passes on."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = str(level)
 
 
 _RAY_DEFAULT_LEVEL = logging.INFO  # what Ray's import gives its logger (unless RAY_LOGGING_LEVEL says otherwise)

@@ -36,6 +36,9 @@ from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 __all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]
 
 
+_AT_NORMAL_PRIORITY: set[str] = set()  # the GCS addresses of the clusters connect started: workers at nice 0
+
+
 def connect(address: str | None = None) -> bool:
     """Make sure this process is a Ray driver; True if this call started an embedded cluster."""
     if ray.is_initialized():
@@ -62,9 +65,6 @@ def connect(address: str | None = None) -> bool:
     _AT_NORMAL_PRIORITY.add(context.address_info["gcs_address"])  # type: ignore[attr-defined]  # a RayContext
     _start_reaper(context.address_info["session_dir"])  # type: ignore[attr-defined]
     return True
-
-
-_AT_NORMAL_PRIORITY: set[str] = set()  # the clusters started here: their workers start at nice 0
 
 
 def workers_start_niced() -> bool:

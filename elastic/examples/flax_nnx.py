@@ -19,8 +19,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # 8 CPU devices: 4 slices x 2
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if __name__ == "__main__" and os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):  # 1: jax's own default
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # run as a command: no native warning per multi-process group formed
+if __name__ == "__main__":  # run as a command: no native warning per multi-process group formed
+    from elastic.quiet import quiet_native
+
+    quiet_native(2)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

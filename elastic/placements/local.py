@@ -107,11 +107,10 @@ class LocalPlacement:
             self._fresh = True
             self._prepared = (view, mesh, state, self._init_step, {})
             return Placed(how="fresh", step=self._init_step)
-        state, landed, why = restored.state, False, ""
+        state, why = restored.state, ""
         if restored.borrowed:  # it aliases the snapshot: copy it into the dropped state's buffers, or fresh ones
             assert dst is not None
             state, why, self._spare = self._land(dst, state, restored.kept, devices)
-            landed = not why
         del dst
         during("restore", restored.step, view)
         state = runtime.wait_ready(
@@ -133,7 +132,7 @@ class LocalPlacement:
             shards_kept=restored.shards_kept,  # landed or not, a shard kept in place was not copied
             meta=restored.meta,
             waited_s=round(self._tiers.last_wait_seconds, 3),
-            detail=({"landed": landed} | ({"not_landed": why} if why else {})) if restored.borrowed else {},
+            detail=({"landed": not why} | ({"not_landed": why} if why else {})) if restored.borrowed else {},
         )
 
     def run_pass(self, loop: Callable[..., Any], host: PlacementHost) -> PassEnd:
