@@ -109,7 +109,7 @@ def test_keeper_actor_keeps_newest_and_drops_a_discarded_future(ray_local):
         ray.kill(keeper, no_restart=True)
 
 
-def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local):
+def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local, monkeypatch):
     namespace = f"keeper-test-tier-{os.getpid()}"
     tier = KeeperTier(namespace, num_keepers=2, keep=1).start()
     try:
@@ -123,8 +123,18 @@ def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local):
         assert stats["keeper_bytes"] == 2 * first.nbytes and stats["keepers_alive"] == 2, stats
         assert stats["keeper_pushes"] == 1
 
-        for step in (6, 7, 8):  # faster than a push completes: a pending one is replaced, and counted
+        # Pushes that come while one is in flight: the push thread is held at its gate (the real send runs once
+        # it opens), so at least one queued image is replaced, and counted, whatever the machine's speed.
+        gate, send = threading.Event(), tier._send
+
+        def held_send(step: int, ref: object) -> None:
+            gate.wait(30)
+            send(step, ref)
+
+        monkeypatch.setattr(tier, "_send", held_send)
+        for step in (6, 7, 8):
             tier.push(make_image(step))
+        gate.set()
         assert tier.wait(30)
         stats = tier.stats()
         assert stats["keeper_coalesced"] >= 1 and stats["keeper_pushes"] + stats["keeper_coalesced"] == 4, stats
