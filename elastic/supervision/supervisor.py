@@ -118,13 +118,17 @@ class Supervisor:
     @contextlib.asynccontextmanager
     async def _gathering(self) -> AsyncIterator[None]:
         """Within: records are written together (one round trip to the GCS, not one each: under load each took
-        15-30 ms here, and a loss report writes three), and every one has landed when the block ends."""
-        self._gathered = []
+        15-30 ms here, and a loss report writes three), and every one has landed when the block ends. A block
+        entered while another gathers joins it (the first to end stops the gathering; later records go at once)."""
+        opened = self._gathered is None
+        if opened:
+            self._gathered = []
         try:
             yield
             await self._flush()
         finally:
-            self._gathered = None
+            if opened:
+                self._gathered = None
 
     async def _flush(self) -> None:
         """Until the records started so far have landed (a view is published only after its records are)."""
@@ -346,14 +350,15 @@ class Supervisor:
         except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
             self._watched.difference_update(slices)
             lost = [(s, incarnation) for s, incarnation in slices if self._incarnations.get(s) == incarnation]
-            for s, incarnation in slices:  # a dead agent never comes back (not even a late registration of it)
-                self._refuse(s, incarnation, _AGENT_DIED)
-                self._died.add((s, incarnation))
-            for s, incarnation in lost:
-                del self._incarnations[s]
-                self._observe(s, False, f"agent died: {type(err).__name__}", incarnation=incarnation)
-            if lost:
-                await self._evaluate()
+            async with self._gathering():  # an agent of many slices: two records each, in one round trip
+                for s, incarnation in slices:  # a dead agent never comes back (not even a late registration of it)
+                    self._refuse(s, incarnation, _AGENT_DIED)
+                    self._died.add((s, incarnation))
+                for s, incarnation in lost:
+                    del self._incarnations[s]
+                    self._observe(s, False, f"agent died: {type(err).__name__}", incarnation=incarnation)
+                if lost:
+                    await self._evaluate()
 
     # -- decisions -----------------------------------------------------------------------------
     async def start(self, token: str | None = None) -> View:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,11 @@ def ledger_job(job_name: str, faults: Faults | None = None, *, on_step=None, **o
         return state
 
     return ElasticJob(cfg, init_fn=init, faults=faults, on_step=on_step), loop
+
+
+def silence(cause: str) -> float:
+    """The silence (seconds) a supervisor counted when it dropped a slice for it, read from the health cause
+    (``no heartbeat for 1.6s ...``): the supervisor's own measure, which leaves out time it did not run itself."""
+    found = re.search(r"no heartbeat for ([0-9.]+)s", cause)
+    assert found, f"not a drop for silence: {cause!r}"
+    return float(found.group(1))

@@ -11,7 +11,7 @@ from elastic import Faults, GiveUpError, Policy
 from elastic.control.watcher import ViewWatcher
 from elastic.supervision.membership import View
 
-from .helpers import ledger_job
+from .helpers import ledger_job, silence
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +29,12 @@ def _view_change_after(job, fault, bound_s: float) -> tuple[View, float]:
 def test_dead_agent_is_noticed_at_once(ray_local):
     job, _ = ledger_job("dead-agent")
     with job:
-        view, took = _view_change_after(job, lambda: job.group.kill_agent(2), bound_s=10)
+        view, _took = _view_change_after(job, lambda: job.group.kill_agent(2), bound_s=10)
+        events = job.group.events()
     assert view.active == frozenset({0, 1, 3}), view
     assert "lost slice(s) 2" in view.reason
-    assert took < job.config.heartbeat_timeout_s  # the lifeline fires before any heartbeat timeout would
+    (lost,) = [e for e in events if e["kind"] == "health" and e["slice"] == 2 and not e["healthy"]]
+    assert "agent died" in lost["cause"], lost  # the lifeline fired, not a heartbeat timeout
 
 
 def test_silent_agent_is_dropped_after_heartbeat_timeout(ray_local):
@@ -43,8 +45,9 @@ def test_silent_agent_is_dropped_after_heartbeat_timeout(ray_local):
         )
         events = job.group.events()
     assert view.active == frozenset({0, 1, 2}), view
-    assert any(e["kind"] == "health" and e["slice"] == 3 and "no heartbeat" in e["cause"] for e in events)
-    assert took < job.config.heartbeat_timeout_s + 2.0
+    (lost,) = [e for e in events if e["kind"] == "health" and e["slice"] == 3 and not e["healthy"]]
+    assert silence(lost["cause"]) <= 2 * job.config.heartbeat_timeout_s, lost  # as the supervisor counts it
+    assert took < 4 * job.config.heartbeat_timeout_s  # and in the test's time, with room for a busy machine
 
 
 def test_training_recovers_from_silent_agent(ray_local):
