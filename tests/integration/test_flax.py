@@ -130,6 +130,8 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["mode"] == "multi-process" and out["max_abs_param_diff_vs_reference"] == 0.0
-    assert out["recoveries"] == 1 and out["grows"] == 0 and out["slice_moves"] == 1
+    lost = out["survivors_lost"]  # gloo may take the killed worker's ring neighbour too (see test_processes)
+    assert lost <= 1 and 1 <= out["recoveries"] <= 1 + lost and out["grows"] <= lost, out
+    assert 1 <= out["slice_moves"] <= 1 + 2 * lost, out  # the loss; the neighbour's loss and its replacement
     assert out["restores"][0]["tier"] == "memory" and out["worker_processes_restarted"] == 0
     assert out["steps_committed"] == 12 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0

@@ -69,7 +69,8 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
     report = run_process_demo(spec, verify=True, config=config, faults=Faults().kill_slice(1, at_step=5))
     _assert_exact(report, spec)
     assert report["min_slices_seen"] == 3 and report["slices_final"] == 3, report
-    assert report["recoveries"] == 1 and report["failures_injected"] == 1, report
+    lost = report["survivors_lost"]  # gloo may take the killed worker's ring neighbour too (see test_processes)
+    assert lost <= 1 and 1 <= report["recoveries"] <= 1 + lost and report["failures_injected"] == 1, report
 
 
 @pytest.mark.timeout(300)
