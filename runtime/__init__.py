@@ -8,7 +8,7 @@ from .freeing import flush as flush_releases
 from .freeing import wake as wake_releases
 from .guard import StepHungError, guarded, wait_ready
 from .health import SliceProbe, probe_slices, warm_probes
-from .landing import LAND, Landed, land, land_args, landing, landing_pays, owned
+from .landing import LAND, Landed, land, land_args, landing, landing_pays, owned, refusal
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from .reshard import StructureError, as_shardings, check_structure, reshard
 from .standby import StandbyCompiler, mesh_key
@@ -45,6 +45,7 @@ __all__ = (
     "landing",
     "landing_pays",
     "owned",
+    "refusal",
     "plan_microbatches",
     "probe_slices",
     "release",

@@ -25,7 +25,7 @@ from jax import shard_map
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["LAND", "Landed", "land", "land_args", "landing", "landing_pays", "owned"]
+__all__ = ["LAND", "Landed", "land", "land_args", "landing", "landing_pays", "owned", "refusal"]
 
 
 def _into(mesh: Mesh, specs: tuple[P, ...], flags: jax.Array, dst: list[Any], src: list[Any]) -> list[Any]:
@@ -182,7 +182,7 @@ def land(dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...] = ()
     where = [i for i, x in enumerate(leaves) if _landable(x)]
     src = [leaves[i] for i in where]
     mesh = _mesh(dst + src)
-    if not where or mesh is None or _overlap(_spans(dst), _spans(src)):
+    if refusal(dst, state) or mesh is None:
         return None
     keep = [kept[i] if i < len(kept) else frozenset() for i in where]
     with warnings.catch_warnings():  # a buffer something else still reads is copied instead of donated: fine
@@ -200,6 +200,23 @@ def land(dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...] = ()
             )
         leaves[i] = x
     return Landed(jax.tree_util.tree_unflatten(treedef, leaves), spare)
+
+
+def refusal(dst: list[jax.Array], state: Any) -> str:
+    """Why :func:`land` would do nothing with ``dst`` and ``state`` ("" when it would land)."""
+    src = [x for x in jax.tree_util.tree_leaves(state) if _landable(x)]
+    if not src:
+        return "no leaf to land"
+    if _mesh(dst + src) is None:
+        return "the leaves are not on one mesh"
+    theirs = {(s.device, s.data.unsafe_buffer_pointer()) for x in dst for s in x.addressable_shards}
+    if any((s.device, s.data.unsafe_buffer_pointer()) in theirs for x in src for s in x.addressable_shards):
+        # the dropped state is the snapshot's own step (the loss came while its snapshot was still in flight): the
+        # restore keeps its buffers in place, so they cannot also be donated
+        return "the restore keeps the dropped state's own buffers (a loss at the step of a snapshot in flight)"
+    if _overlap(_spans(dst), _spans(src)):
+        return "the state reads a buffer it would donate"
+    return ""
 
 
 def owned(state: Any, kept: tuple[frozenset[Any], ...] = ()) -> Any:

@@ -196,9 +196,9 @@ class LocalPlacement:
         """``state`` (borrowed, but for the shards ``kept`` in place) in ``dst``'s buffers, or (when they cannot take
         it) in fresh ones; why it did not land ("" when it did: the timeline's ``restored`` event says why), and the
         buffers of ``dst`` it left spare. Only a lost slice's error propagates: the landing is an optimisation."""
-        why = "the state reads a buffer it would donate, or is not on one mesh"
+        why = runtime.refusal(dst, state)
         try:
-            landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
+            landed = None if why else runtime.guarded(runtime.land, devices)(dst, state, kept)
         except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
             if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
                 raise

@@ -37,8 +37,11 @@ def test_random_slice_loss_matches_failure_free_run(reference):
     report = result.report
     assert report.recoveries == 1 and report.min_slices_seen == 3 and report.client_restarts == 0
     assert max_abs_diff(result.state["params"], reference.state["params"]) < 1e-5, f"seed={seed}"
-    # on CPU the restore landed in the survivors' buffers of the state live at the loss (runtime.landing)
-    assert [e.get("landed") for e in report.timeline if e["event"] == "restored"] == [True], f"seed={seed}"
+    # On CPU the restore landed in the survivors' buffers of the state live at the loss (runtime.landing), except
+    # after a loss at the step of a snapshot still in flight: that restore keeps those very buffers in place.
+    (restored,) = [e for e in report.timeline if e["event"] == "restored"]
+    in_flight = restored["step"] == step and "own buffers" in restored.get("not_landed", "")
+    assert restored["landed"] or in_flight, (seed, restored)
 
 
 def test_shrink_with_indivisible_batch_accumulates_exactly(ray_local_module):

@@ -13,7 +13,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from elastic.runtime import LAND, StandbyCompiler, land, land_args, landing, landing_pays, owned
+from elastic.runtime import LAND, StandbyCompiler, land, land_args, landing, landing_pays, owned, refusal
 from elastic.snapshot import SnapshotConfig, Snapshotter
 
 
@@ -277,10 +277,30 @@ def test_a_restore_that_does_not_land_says_why_and_one_that_lands_says_nothing()
     dst = landing(old, _abstract(old, mesh))
     assert dst is not None
     copy, why, spare = LocalPlacement._land(dst, old, (), tuple(devices))
-    assert "reads a buffer it would donate" in why and spare == []
+    assert "the dropped state's own buffers" in why and spare == []
     np.testing.assert_array_equal(np.asarray(copy["w"]), np.asarray(old["w"]))
 
     restored = _state(mesh, seed=6)
     landed, why, _ = LocalPlacement._land(dst, restored, (), tuple(devices))
     assert why == ""
     np.testing.assert_array_equal(np.asarray(landed["w"]), np.asarray(restored["w"]))
+
+
+def test_refusal_tells_a_restore_of_the_dropped_states_own_buffers_from_one_that_reads_another_device_s() -> None:
+    """A loss at the step of a snapshot still in flight restores the very buffers the landing would donate (their
+    own device's); a replicated leaf restored from one device's copy reads it from the others. Neither lands, and
+    the reason says which; a state apart from the dropped one lands."""
+    devices = jax.devices()
+    mesh = _mesh(devices)
+    old = _state(mesh, seed=9)
+    dst = landing(old, _abstract(old, mesh))
+    assert dst is not None
+    assert "the dropped state's own buffers" in refusal(dst, old)
+
+    b0 = old["b"].addressable_shards[0]  # device 0's copy of the replicated leaf, wrapped on every other device
+    b = jax.make_array_from_single_device_arrays((4,), old["b"].sharding, [
+        jax.device_put(np.array(b0.data) if s.device == b0.device else np.asarray(b0.data), s.device)
+        for s in old["b"].addressable_shards
+    ])  # fmt: skip
+    assert refusal(dst, dict(_state(mesh, seed=10), b=b)) == "the state reads a buffer it would donate"
+    assert refusal(dst, _state(mesh, seed=10)) == ""
