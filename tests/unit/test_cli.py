@@ -88,7 +88,7 @@ def test_an_unreachable_cluster_is_one_line_within_seconds():
         "status", "--job", "x", env_extra={"RAY_ADDRESS": f"127.0.0.1:{port}", "ELASTIC_CONNECT_TIMEOUT_S": "2"}
     )
     assert_clear(proc, 1, "no Ray cluster answered")
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 15  # the 2 s asked for and a start beside other tests, not Ray's 60 s
 
 
 def test_a_pipe_closed_early_ends_quietly(tmp_path):

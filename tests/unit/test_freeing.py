@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import pytest
 
 from elastic import ElasticConfig, Policy
 from elastic.runtime import flush_releases, release, wait_ready
-from elastic.runtime.freeing import BACKLOG, SMALL, WAKE_AT, held_bytes, wake
+from elastic.runtime.freeing import BACKLOG, SMALL, WAKE_AT, _releaser, held_bytes, wake
 from tests.unit.test_data import _Host, _run
 from tests.unit.test_watchdog import held
 
@@ -102,8 +103,10 @@ def test_flush_returns_once_everything_released_before_it_is_dropped():
     results: list[bool] = []
     flusher = threading.Thread(target=lambda: results.append(flush_releases(60)), name="flusher")
     flusher.start()
-    flusher.join(0.2)
-    assert flusher.is_alive()  # the held drop has not finished: flush waits for it
+    deadline = time.monotonic() + 30
+    while _releaser._queue and time.monotonic() < deadline:  # until the flusher has taken the waiting one
+        time.sleep(0.001)
+    assert not _releaser._queue and flusher.is_alive()  # the held drop has not finished: flush waits for it
     assert flush_releases(0.05) is False  # ... within its bound: a stuck drop cannot hang the caller
     gate.set()
     flusher.join(30)
