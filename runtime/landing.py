@@ -182,7 +182,7 @@ def land(dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...] = ()
     where = [i for i, x in enumerate(leaves) if _landable(x)]
     src = [leaves[i] for i in where]
     mesh = _mesh(dst + src)
-    if refusal(dst, state) or mesh is None:
+    if mesh is None or _refusal(dst, src):
         return None
     keep = [kept[i] if i < len(kept) else frozenset() for i in where]
     with warnings.catch_warnings():  # a buffer something else still reads is copied instead of donated: fine
@@ -204,7 +204,10 @@ def land(dst: list[jax.Array], state: Any, kept: tuple[frozenset[Any], ...] = ()
 
 def refusal(dst: list[jax.Array], state: Any) -> str:
     """Why :func:`land` would do nothing with ``dst`` and ``state`` ("" when it would land)."""
-    src = [x for x in jax.tree_util.tree_leaves(state) if _landable(x)]
+    return _refusal(dst, [x for x in jax.tree_util.tree_leaves(state) if _landable(x)])
+
+
+def _refusal(dst: list[jax.Array], src: list[jax.Array]) -> str:
     if not src:
         return "no leaf to land"
     if _mesh(dst + src) is None:

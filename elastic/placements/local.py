@@ -196,15 +196,16 @@ class LocalPlacement:
         """``state`` (borrowed, but for the shards ``kept`` in place) in ``dst``'s buffers, or (when they cannot take
         it) in fresh ones; why it did not land ("" when it did: the timeline's ``restored`` event says why), and the
         buffers of ``dst`` it left spare. Only a lost slice's error propagates: the landing is an optimisation."""
-        why = runtime.refusal(dst, state)
         try:
-            landed = None if why else runtime.guarded(runtime.land, devices)(dst, state, kept)
+            landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
         except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
             if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
                 raise
-            landed, why = None, f"{type(err).__name__}: {str(err)[:200]}"
-        if landed is not None:
-            return landed.state, "", landed.spare
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+        else:
+            if landed is not None:
+                return landed.state, "", landed.spare
+            why = runtime.refusal(dst, state)  # asked only when it did not land: land checks the same itself
         return runtime.guarded(runtime.owned, devices)(state, kept), why, []
 
     def _free_spare(self) -> None:
