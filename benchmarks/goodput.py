@@ -200,6 +200,7 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
             faults.revive_slice(e.slice, at_step=e.step, hold=args.blocking_revive)
     commits: list[tuple[int, float, int, Any]] = []
     config = ElasticConfig(
+        simulated=True,
         job_name="goodput",
         num_slices=args.num_slices,
         devices_per_slice=DEVICES_PER_SLICE,

@@ -78,7 +78,7 @@ def main() -> int:
 
     overrides = {} if args.heartbeat_interval is None else {"heartbeat_interval_s": args.heartbeat_interval}
     steps = int((args.seconds + 4) / 0.25) + 8
-    config = ElasticConfig(job_name="idle-cpu", num_slices=args.slices, num_steps=steps, **overrides)
+    config = ElasticConfig(simulated=True, job_name="idle-cpu", num_slices=args.slices, num_steps=steps, **overrides)
     measured: dict = {}
 
     def loop(run):  # noqa: ANN001, ANN202

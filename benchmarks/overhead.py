@@ -333,6 +333,7 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
         return state
 
     config = ElasticConfig(
+        simulated=True,
         job_name=f"overhead-{every}-{in_flight}",
         num_slices=4,
         devices_per_slice=2,

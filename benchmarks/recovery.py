@@ -116,6 +116,7 @@ def run_elastic(mib: int, kill_at: int, steps: int, settled: bool) -> tuple[dict
 
     rows = rows_for(mib)
     cfg = ElasticConfig(
+        simulated=True,
         job_name="bench-recovery-settled" if settled else "bench-recovery",
         num_steps=steps,
         snapshot_every=5,

@@ -168,6 +168,7 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
 
     flag = f"recovery-mp-standby-{os.getpid()}-{time.time_ns()}"
     config = ElasticConfig(
+        simulated=True,
         job_name="bench-recovery-mp",
         num_slices=SLICES,
         devices_per_slice=DEVICES,

@@ -118,8 +118,11 @@ class Processes:
 class ElasticConfig:
     """One elastic job.
 
-    Slices: ``num_slices`` x ``devices_per_slice`` devices; ``simulated`` groups forced CPU devices
-    (tests, demo) and lets fault injection kill them. ``num_steps`` steps run in all;
+    Slices: ``num_slices`` x ``devices_per_slice`` devices. ``simulated=False`` (the default): the devices jax
+    sees, accelerators where there are any (grouped by ``slice_index`` on multi-slice TPU, else ``devices_per_slice``
+    at a time), every one of them used: a count that does not match fails at construction, naming the settings
+    that fit. ``simulated=True``: slices of forced CPU devices (tests, demos; ``XLA_FLAGS`` must raise the CPU
+    device count before jax is imported), which fault injection can kill. ``num_steps`` steps run in all;
     a host snapshot is taken every ``snapshot_every`` steps (bounding the work a failure can lose).
     ``global_batch_size``: the leading size of every batch, when known; ``ElasticJob`` then checks at
     construction that it splits over every device count the job may shrink to (see
@@ -146,13 +149,15 @@ class ElasticConfig:
     runs at 2, 0 of 17 at 1). :attr:`in_flight` is the value in force.
 
     ``processes``: run each slice as a worker process (:class:`Processes`); None (the default): one process
-    drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices.
+    drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices; without, each
+    worker uses the devices Ray gives its process (``Processes.resources_per_worker``), which must number
+    ``devices_per_slice``.
     """
 
     job_name: str = "elastic"
     num_slices: int = 4
     devices_per_slice: int = 2
-    simulated: bool = True
+    simulated: bool = False
     num_steps: int = 100
     snapshot_every: int = 10
     keep_snapshots: int = 2

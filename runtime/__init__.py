@@ -12,7 +12,7 @@ from .landing import LAND, Landed, land, land_args, landing, landing_pays, owned
 from .mesh import LOCAL_AXIS, REPLICA_AXIS, MeshFn, batch_sharding, build_mesh, replicated
 from .reshard import StructureError, as_shardings, check_structure, reshard
 from .standby import StandbyCompiler, mesh_key
-from .topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
+from .topology import Slice, Topology, TopologyError, device_topology, simulated_topology, topology_from_devices
 
 __all__ = (
     "Chunk",
@@ -52,6 +52,7 @@ __all__ = (
     "replicated",
     "reshard",
     "simulated",
+    "device_topology",
     "simulated_topology",
     "StandbyCompiler",
     "mesh_key",

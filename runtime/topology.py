@@ -1,7 +1,8 @@
 """Slices: groups of devices that fail together.
 
 A TPU slice is found from ``device.slice_index``; any other local devices are grouped by a configured
-size; and a simulated N x M topology groups forced CPU devices for tests and the demo.
+size (:func:`device_topology` is the job's own devices, checked against the slices it asks for); and a simulated
+N x M topology groups forced CPU devices for tests and the demo.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["Slice", "Topology", "TopologyError", "topology_from_devices", "simulated_topology"]
+__all__ = ["Slice", "Topology", "TopologyError", "device_topology", "simulated_topology", "topology_from_devices"]
 
 
 class TopologyError(ValueError):
@@ -119,6 +120,43 @@ def simulated_topology(num_slices: int, devices_per_slice: int) -> Topology:
     if len(cpus) < need:
         raise TopologyError(
             f"{num_slices} slices x {devices_per_slice} devices need {need} CPU devices but jax has {len(cpus)}: "
-            f"set XLA_FLAGS=--xla_force_host_platform_device_count={need} before jax is imported"
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={need} before jax is imported, or simulated=False "
+            "to train on the devices jax has"
         )
     return topology_from_devices(cpus[:need], devices_per_slice=devices_per_slice)
+
+
+def device_topology(num_slices: int, devices_per_slice: int, devices: Sequence[Any] | None = None) -> Topology:
+    """``num_slices`` x ``devices_per_slice`` slices over the devices jax sees (default ``jax.devices()``): the
+    accelerators where there are any, else the CPU.
+
+    Devices of more than one TPU slice (distinct ``slice_index``) are grouped by it; any others by
+    ``devices_per_slice``, in order. Every device is used: a count that does not match raises ``TopologyError``
+    with one line naming the settings that would fit, and how to simulate slices instead.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    need = num_slices * devices_per_slice
+    kind = f"{getattr(devices[0], 'platform', 'jax')} device" if devices else "device"
+    simulate = (
+        f"or simulate slices on CPU: simulated=True, with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+        "set before jax is imported"
+    )
+    indices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in indices and len(indices) > 1:
+        topo = topology_from_devices(devices)
+        if (topo.num_slices, topo.devices_per_slice) != (num_slices, devices_per_slice):
+            raise TopologyError(
+                f"jax sees {topo.num_slices} TPU slices of {topo.devices_per_slice} devices, but the config asks for "
+                f"num_slices={num_slices} x devices_per_slice={devices_per_slice}: set num_slices={topo.num_slices} "
+                f"and devices_per_slice={topo.devices_per_slice}, {simulate}"
+            )
+        return topo
+    if len(devices) != need:
+        fits = [(len(devices) // per, per) for per in (devices_per_slice, 1) if per and len(devices) % per == 0]
+        example = f" (e.g. num_slices={fits[0][0]}, devices_per_slice={fits[0][1]})" if fits else ""
+        raise TopologyError(
+            f"num_slices={num_slices} x devices_per_slice={devices_per_slice} needs {need} devices but jax sees "
+            f"{len(devices)} {kind}{'s' if len(devices) != 1 else ''}: set num_slices and devices_per_slice to "
+            f"use them all{example}, {simulate}"
+        )
+    return topology_from_devices(devices, devices_per_slice=devices_per_slice)

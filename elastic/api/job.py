@@ -189,14 +189,9 @@ class ElasticJob:
         try:
             if cfg.simulated:
                 return runtime.simulated_topology(cfg.num_slices, cfg.devices_per_slice)
-            topo = runtime.topology_from_devices(devices_per_slice=cfg.devices_per_slice)
+            return runtime.device_topology(cfg.num_slices, cfg.devices_per_slice)
         except runtime.TopologyError as err:
             raise ConfigError(str(err)) from err
-        if topo.num_slices != cfg.num_slices:
-            raise ConfigError(
-                f"found {topo.num_slices} slices of {cfg.devices_per_slice} devices, but num_slices={cfg.num_slices}"
-            )
-        return topo
 
     def _shardings(self, mesh: Mesh) -> Any:
         """The state's shardings on ``mesh``, one per leaf (``ConfigError`` when a spec does not fit)."""
@@ -234,6 +229,11 @@ class ElasticJob:
             from elastic.placements.processes import WorkerProcesses
 
             agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec(token))
+            try:
+                agents.check_fits()
+            except ConfigError:
+                self.close()
+                raise
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             # The keepers' processes start while the agents do, and only once the job is this client's: a client

@@ -28,6 +28,7 @@ def demo_target() -> dict[str, Any]:
     """4 simulated slices of 2 devices, 40 steps, a snapshot every 5 steps, each also in the keepers (so two
     slices lost at once recover), at least 2 slices, a quick heartbeat timeout."""
     config = ElasticConfig(
+        simulated=True,
         job_name="chaos-demo",
         num_slices=4,
         devices_per_slice=2,
@@ -46,6 +47,7 @@ def process_target() -> dict[str, Any]:
     whose faults are real (SIGKILL, SIGSTOP)."""
     target = demo_target()
     target["config"] = ElasticConfig(
+        simulated=True,
         job_name="chaos-processes",
         num_slices=4,
         devices_per_slice=2,

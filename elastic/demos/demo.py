@@ -91,6 +91,7 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 def make_trainer(spec: DemoSpec, *, job_name: str, faults: Faults | None, on_step: Any = None) -> Trainer:
     config = ElasticConfig(
+        simulated=True,
         job_name=job_name,
         num_slices=spec.num_slices,
         devices_per_slice=spec.devices_per_slice,

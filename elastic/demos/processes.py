@@ -59,6 +59,7 @@ def loop(run: Run) -> Any:
 def process_config(spec: ProcessDemoSpec, **overrides: Any) -> ElasticConfig:
     base: dict[str, Any] = dict(
         job_name=spec.job_name,
+        simulated=True,
         num_slices=spec.num_slices,
         devices_per_slice=spec.devices_per_slice,
         num_steps=spec.steps,

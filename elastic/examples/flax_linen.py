@@ -106,6 +106,7 @@ def plain_train_step(state: TrainState, images: jax.Array, labels: jax.Array) ->
 def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False) -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-Linen reference); the JSON-ready summary."""
     config = elastic.ElasticConfig(
+        simulated=True,
         job_name="flax-linen",
         num_slices=4,
         devices_per_slice=2,

@@ -166,6 +166,7 @@ def chaos_target() -> dict[str, Any]:
     elastic.examples.flax_nnx:chaos_target``. Each schedule's equivalence reference replays the run's own device
     schedule (a change of device count changes this model's floats; the replay shows nothing else did)."""
     config = elastic.ElasticConfig(
+        simulated=True,
         job_name="flax-nnx-chaos",
         num_slices=4,
         devices_per_slice=2,
@@ -199,6 +200,7 @@ def run_example(
     ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies)."""
     processes = elastic.Processes() if mode == "multi-process" else None
     config = elastic.ElasticConfig(
+        simulated=True,
         job_name="flax-nnx",
         num_slices=slices,
         devices_per_slice=2,

@@ -131,6 +131,7 @@ def _id_counts(ids: dict[int, list[int]]) -> Counter[int]:
 def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, verify: bool = False) -> dict[str, Any]:
     """Run the job (and with ``verify`` its reference); the JSON-ready summary."""
     config = elastic.ElasticConfig(
+        simulated=True,
         job_name="grain-pipeline",
         num_slices=4,
         devices_per_slice=2,

@@ -3,7 +3,9 @@
     ray job submit --working-dir . -- python -m elastic.examples.train --steps 200 --json
 
 Inside a Ray job, ``RAY_ADDRESS`` names the cluster and the job joins it; run directly, it starts an
-embedded Ray. Prints the job's report as one JSON object on stdout.
+embedded Ray. Prints the job's report as one JSON object on stdout. By default the slices are simulated on CPU
+devices (so ``--kill-slice`` can kill one); ``--real-devices`` trains on the devices jax sees instead (GPUs or
+TPUs: ``--slices`` x ``--devices-per-slice`` must be all of them).
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revive-at", type=int, default=None)
     parser.add_argument("--job-name", default=f"train-{os.getpid()}")
     parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout")
+    parser.add_argument(
+        "--real-devices", action="store_true", help="train on the devices jax sees, not simulated CPU slices"
+    )
     args = parser.parse_args(argv)
+    if args.real_devices and args.kill_slice is not None:
+        parser.error("--kill-slice kills a simulated slice: it cannot be combined with --real-devices")
 
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not args.real_devices:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.slices * args.devices_per_slice)
+    if not args.real_devices:
+        jax.config.update("jax_num_cpu_devices", args.slices * args.devices_per_slice)
     import optax
 
     from elastic import ElasticConfig, Faults, Policy, Trainer, optax_step
@@ -46,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.revive_at is not None:
             faults.revive_slice(args.kill_slice, at_step=args.revive_at)
     config = ElasticConfig(
+        simulated=not args.real_devices,
         job_name=args.job_name,
         num_slices=args.slices,
         devices_per_slice=args.devices_per_slice,

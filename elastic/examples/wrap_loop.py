@@ -58,7 +58,11 @@ def loop(run: elastic.Run):
 
 
 if __name__ == "__main__":
-    config = elastic.ElasticConfig(job_name="wrap-loop", num_slices=4, devices_per_slice=2, num_steps=200)
+    # simulated=True: 4 slices of the 8 CPU devices forced above, which the fault drill can kill. Drop it (and the
+    # XLA_FLAGS line) to train on the devices jax sees: your GPUs or TPUs, num_slices x devices_per_slice of them.
+    config = elastic.ElasticConfig(
+        job_name="wrap-loop", num_slices=4, devices_per_slice=2, num_steps=200, simulated=True
+    )
     faults = elastic.Faults().kill_slice(2, at_step=70).revive_slice(2, at_step=140)  # optional: a fault drill
     with elastic.ElasticJob(config, init_fn=init_state, faults=faults) as job:
         result = job.run(loop)

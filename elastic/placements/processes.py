@@ -34,7 +34,7 @@ from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup, workers_start_niced
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
-from elastic.errors import ElasticError
+from elastic.errors import ConfigError, ElasticError
 from elastic.log import get_logger
 from elastic.placements.holdings import common_step
 from elastic.placements.standby import StandbyGroup
@@ -85,6 +85,25 @@ class WorkerProcesses:
 
     def env(self) -> dict[str, str]:
         return process_env(self._config)
+
+    def check_fits(self) -> None:
+        """``ConfigError`` (one line) when the cluster holds fewer of a resource than ``num_slices`` workers ask for
+        in all (``Processes.resources_per_worker``): they could never all be placed."""
+        assert self._config.processes is not None
+        want = {k: v for k, v in self._config.processes.resources_per_worker.items() if v > 0}
+        if not want:
+            return
+        have = ray.cluster_resources()
+        n = self._config.num_slices
+        for name, amount in sorted(want.items()):
+            if have.get(name, 0.0) < n * amount:
+                fit = int(have.get(name, 0.0) // amount)
+                fewer = f"set num_slices={fit} or " if fit >= 1 else ""
+                raise ConfigError(
+                    f"num_slices={n} workers of {{{name!r}: {amount:g}}} need {n * amount:g} {name} but the cluster "
+                    f"has {have.get(name, 0.0):g}: {fewer}lower processes.resources_per_worker, or add nodes before "
+                    "the job starts"
+                )
 
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
         if workers_start_niced():  # its imports too start at an ordinary priority, without any right to raise it

@@ -296,6 +296,9 @@ class SliceWorker:
                 "status": "failed",
                 "error": f"the rendezvous of group {plan.epoch} failed: {type(err).__name__}: {str(err)[:300]}",
             }
+        wrong = self._wrong_devices()
+        if wrong:
+            return {**out, "status": "error", "error": wrong}
         self._compile_s = 0.0
         mark = time.monotonic()
         try:
@@ -344,6 +347,19 @@ class SliceWorker:
             phase = getattr(hook, "phase", None)
             if phase is not None:
                 phase(name, context)
+
+    def _wrong_devices(self) -> str | None:
+        """Why this process's devices cannot be its slice's (one line), or None when they number
+        ``devices_per_slice``."""
+        have, want = jax.local_device_count(), self._config.devices_per_slice
+        if have == want:
+            return None
+        kind = jax.local_devices()[0].platform
+        return (
+            f"slice {self.slice}'s worker sees {have} {kind} device(s) but devices_per_slice={want}: set "
+            f"devices_per_slice={have}, or give each worker {want} through processes.resources_per_worker "
+            f"(e.g. {{'GPU': {want}}})" + ("" if self._config.simulated else ", or simulated=True to use CPU devices")
+        )
 
     def _mesh(self, members: tuple[int, ...]) -> Any:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

@@ -16,6 +16,7 @@ from elastic.demos.demo import batch, init_params, loss_fn
 def config(job_name: str, **overrides) -> ElasticConfig:
     base = dict(
         job_name=job_name,
+        simulated=True,
         num_slices=4,
         devices_per_slice=2,
         num_steps=40,

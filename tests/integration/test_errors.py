@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from elastic import ConfigError, ElasticConfig, ElasticJob, Faults, Policy, Trainer
+from elastic import ConfigError, ElasticConfig, ElasticJob, Faults, Policy, Processes, Trainer
 
 from .helpers import config, ledger_job
 
@@ -45,6 +45,29 @@ def test_leaf_that_does_not_split_over_the_mesh():
 def test_too_few_devices_names_the_flag():
     with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=16"):
         ElasticJob(config("too-big", num_slices=8, devices_per_slice=2), init_fn=_init)
+
+
+def test_real_devices_that_do_not_fit_say_what_to_set():
+    """``simulated=False`` (the default): the 8 devices jax sees here cannot be 8 slices of 2."""
+    with pytest.raises(ConfigError) as info:
+        ElasticJob(config("too-big-real", simulated=False, num_slices=8, devices_per_slice=2), init_fn=_init)
+    msg = str(info.value)
+    assert "\n" not in msg and "needs 16 devices but jax sees 8 cpu devices" in msg
+    assert "num_slices=4, devices_per_slice=2" in msg and "simulated=True" in msg
+
+
+def test_workers_the_cluster_cannot_hold_fail_at_start_in_one_line(ray_local):
+    """Multi-process mode: four workers of one GPU each on a cluster with none fail at ``start``, naming the
+    setting, instead of waiting out the start-up timeout for workers Ray can never place."""
+    cfg = config("no-gpus", num_slices=4, devices_per_slice=2, processes=Processes(resources_per_worker={"GPU": 1}))
+    job = ElasticJob(cfg, init_fn=_init)
+    with pytest.raises(ConfigError) as info:
+        job.start()
+    msg = str(info.value)
+    assert "\n" not in msg and "num_slices=4 workers of {'GPU': 1} need 4 GPU but the cluster has 0" in msg
+    assert "processes.resources_per_worker" in msg
+    with pytest.raises(ValueError):  # nothing of the job was left behind
+        ray_local.get_actor("supervisor", namespace=cfg.namespace)
 
 
 def test_impossible_faults_are_rejected_at_once():

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 def _config(job_name: str, **overrides) -> ElasticConfig:
     base = dict(
         job_name=job_name,
+        simulated=True,
         num_slices=4,
         devices_per_slice=2,
         num_steps=16,

@@ -253,6 +253,7 @@ def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ra
 
     def run_job(name: str, faults: Faults | None):  # noqa: ANN202
         config = ElasticConfig(
+            simulated=True,
             job_name=name,
             num_slices=3,
             devices_per_slice=2,

@@ -193,6 +193,7 @@ def _sharded_reference(steps: int) -> np.ndarray:
 def _sharded_job(name: str, keeper_every: int):  # noqa: ANN202
     # slices 1 and 2 die together at step 8: slice 2 held slice 1's buddy copies
     config = ElasticConfig(
+        simulated=True,
         job_name=name,
         num_slices=4,
         devices_per_slice=2,
@@ -235,6 +236,7 @@ def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_
     """The same double loss with no keepers but an Orbax tier: every worker wrote its own shards of each checkpoint,
     and the two survivors restore the newest one onto their mesh (tier "persistent")."""
     config = ElasticConfig(
+        simulated=True,
         job_name="processes-two-orbax",
         num_slices=4,
         devices_per_slice=2,

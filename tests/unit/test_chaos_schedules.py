@@ -58,7 +58,12 @@ def test_schedules_are_valid_faults_and_expect_a_give_up_only_below_min_slices(s
 
 def test_the_job_shape_limits_the_scenarios():
     config = ElasticConfig(
-        num_slices=2, devices_per_slice=2, num_steps=30, policy=Policy(min_slices=2), tiers=Tiers(keeper_every=0)
+        simulated=True,
+        num_slices=2,
+        devices_per_slice=2,
+        num_steps=30,
+        policy=Policy(min_slices=2),
+        tiers=Tiers(keeper_every=0),
     )
     shape = JobShape.of(config)
     assert not shape.survives_two and shape.spare == 0

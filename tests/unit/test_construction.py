@@ -17,7 +17,14 @@ from elastic.runtime.mesh import build_mesh
 
 
 def _config(**overrides) -> ElasticConfig:
-    base = dict(job_name="construction", num_slices=4, devices_per_slice=2, num_steps=10, policy=Policy(min_slices=3))
+    base = dict(
+        job_name="construction",
+        simulated=True,
+        num_slices=4,
+        devices_per_slice=2,
+        num_steps=10,
+        policy=Policy(min_slices=3),
+    )
     base.update(overrides)
     return ElasticConfig(**base)
 
@@ -45,6 +52,19 @@ def build(monkeypatch):
 def test_a_good_job_builds(build):
     job = build(shardings_fn=lambda mesh: {"w": P(("replica", "local")), "b": P()})
     assert job.topology.num_slices == 4
+
+
+def test_real_devices_by_default(build):
+    """``simulated`` defaults to False: the job's slices are the devices jax sees (here the 8 CPU devices), and a
+    config asking for another count fails at construction with one line naming the settings."""
+    assert ElasticConfig(job_name="x").simulated is False
+    job = build(_config(simulated=False))
+    assert [d.id for s in job.topology.slices for d in s.devices] == [d.id for d in jax.devices()]
+    with pytest.raises(ConfigError) as info:
+        build(_config(simulated=False, num_slices=3))
+    msg = str(info.value)
+    assert "\n" not in msg and "num_slices=3 x devices_per_slice=2 needs 6 devices but jax sees 8" in msg
+    assert "num_slices=4, devices_per_slice=2" in msg and "simulated=True" in msg
 
 
 @pytest.mark.parametrize(

@@ -179,7 +179,14 @@ def _run(host: _Host, start_step: int, extras: dict[str, Any]) -> Run:
 
 def test_run_batches_records_the_position_at_each_commit_and_resumes_from_it():
     host = _Host(
-        ElasticConfig(job_name="data", num_slices=4, devices_per_slice=2, num_steps=12, policy=Policy(min_slices=2))
+        ElasticConfig(
+            simulated=True,
+            job_name="data",
+            num_slices=4,
+            devices_per_slice=2,
+            num_steps=12,
+            policy=Policy(min_slices=2),
+        )
     )
     seen: dict[int, list[int]] = {}
     run = _run(host, 0, {})
@@ -195,7 +202,7 @@ def test_run_batches_records_the_position_at_each_commit_and_resumes_from_it():
 
 
 def test_run_data_is_opened_once_per_name_per_pass():
-    host = _Host(ElasticConfig(job_name="data", num_slices=4, devices_per_slice=2, num_steps=4))
+    host = _Host(ElasticConfig(simulated=True, job_name="data", num_slices=4, devices_per_slice=2, num_steps=4))
     run = _run(host, 0, {})
     run.data(_loader())
     with pytest.raises(ConfigError, match="already opened"):

@@ -74,7 +74,9 @@ def _batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 class _Host:
     def __init__(self) -> None:
-        self.config = ElasticConfig(job_name="flax-unit", num_slices=4, num_steps=10, policy=Policy(min_slices=3))
+        self.config = ElasticConfig(
+            simulated=True, job_name="flax-unit", num_slices=4, num_steps=10, policy=Policy(min_slices=3)
+        )
         self.num_steps, self.seed, self.recorded = 10, 0, []
 
     def record_call(self, fn, args, mesh) -> None:

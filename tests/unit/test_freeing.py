@@ -186,7 +186,9 @@ class _State:
 def test_run_frees_the_states_it_confirms_past_off_the_loop_thread():
     """A commit that confirms a step replaces the run's confirmed state: the previous one is dropped on the release
     thread, never on the loop's (where a free could wait on the allocator's lock)."""
-    config = ElasticConfig(job_name="free", num_slices=4, devices_per_slice=2, num_steps=6, policy=Policy(min_slices=2))
+    config = ElasticConfig(
+        simulated=True, job_name="free", num_slices=4, devices_per_slice=2, num_steps=6, policy=Policy(min_slices=2)
+    )
     run = _run(_Host(config), 0, {})
     state = run.state = _State(jnp.zeros(4))
     state.tracked = True
@@ -206,7 +208,9 @@ def test_run_frees_the_states_it_confirms_past_off_the_loop_thread():
 def test_run_drops_the_states_that_still_hold_their_buffers_itself():
     """A loop that does not donate: each confirmed-past state still holds its buffers (more than ``SMALL``), so it
     is freed where it was before, on the loop's thread, as soon as it is confirmed past."""
-    config = ElasticConfig(job_name="keep", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2))
+    config = ElasticConfig(
+        simulated=True, job_name="keep", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2)
+    )
     run = _run(_Host(config), 0, {})
     state = run.state = _State(jnp.zeros(SMALL // 4 + 1))
     state.tracked = True

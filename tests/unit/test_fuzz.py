@@ -43,7 +43,11 @@ anything = st.one_of(
 def test_config_is_built_or_refused_with_a_config_error(num_slices, devices, steps, min_slices):
     try:
         ElasticConfig(
-            num_slices=num_slices, devices_per_slice=devices, num_steps=steps, policy=Policy(min_slices=min_slices)
+            simulated=True,
+            num_slices=num_slices,
+            devices_per_slice=devices,
+            num_steps=steps,
+            policy=Policy(min_slices=min_slices),
         )
     except ConfigError as err:
         assert str(err)

@@ -127,7 +127,9 @@ def test_a_run_marks_each_step_by_the_loss_its_jitted_step_returned(monkeypatch)
     from elastic import ElasticConfig, Policy
     from tests.unit.test_data import _Host, _run
 
-    config = ElasticConfig(job_name="mark", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2))
+    config = ElasticConfig(
+        simulated=True, job_name="mark", num_slices=4, devices_per_slice=2, num_steps=4, policy=Policy(min_slices=2)
+    )
     run = _run(_Host(config), 0, {})
     monkeypatch.setattr(markers, "_tap", None)  # no marker program: calling it would fail
     turns = threading.Semaphore(0)  # step k computes once its commit has let it

@@ -10,7 +10,14 @@ import pytest
 from jax.sharding import Mesh
 
 from elastic.runtime.mesh import LOCAL_AXIS, REPLICA_AXIS, batch_sharding, build_mesh, replicated
-from elastic.runtime.topology import Slice, Topology, TopologyError, simulated_topology, topology_from_devices
+from elastic.runtime.topology import (
+    Slice,
+    Topology,
+    TopologyError,
+    device_topology,
+    simulated_topology,
+    topology_from_devices,
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,53 @@ def test_simulated_topology_too_many_devices(n, m, need):
     msg = str(info.value)
     assert f"need {need} CPU devices but jax has 8" in msg
     assert f"XLA_FLAGS=--xla_force_host_platform_device_count={need}" in msg
+
+
+@dataclass(frozen=True)
+class PlatformDevice:
+    id: int
+    platform: str = "gpu"
+    slice_index: int | None = None
+
+
+def test_device_topology_uses_every_device_the_machine_has():
+    """Real devices (the default): the 8 devices jax sees here, as 4 slices of 2, in order."""
+    topo = device_topology(4, 2)
+    assert [[d.id for d in s.devices] for s in topo.slices] == [
+        [d.id for d in jax.devices()[i : i + 2]] for i in (0, 2, 4, 6)
+    ]
+    gpus = [PlatformDevice(id=i) for i in range(8)]
+    assert [[d.id for d in s.devices] for s in device_topology(2, 4, gpus).slices] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_device_topology_groups_tpu_slices_by_slice_index():
+    tpus = [PlatformDevice(id=i, platform="tpu", slice_index=i % 2) for i in range(8)]
+    topo = device_topology(2, 4, tpus)
+    assert [[d.id for d in s.devices] for s in topo.slices] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(TopologyError) as info:
+        device_topology(4, 2, tpus)
+    msg = str(info.value)
+    assert "jax sees 2 TPU slices of 4 devices" in msg and "set num_slices=2 and devices_per_slice=4" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "have", "fits"),
+    [
+        pytest.param(4, 2, 1, "num_slices=1, devices_per_slice=1", id="one-cpu"),  # a laptop without XLA_FLAGS
+        pytest.param(3, 2, 8, "num_slices=4, devices_per_slice=2", id="fewer-than-the-machine"),  # no idle device
+        pytest.param(4, 2, 6, "num_slices=3, devices_per_slice=2", id="more-than-the-machine"),
+        pytest.param(2, 4, 6, "num_slices=6, devices_per_slice=1", id="indivisible"),
+    ],
+)
+def test_device_topology_that_does_not_fit_says_what_to_set_in_one_line(n, m, have, fits):
+    with pytest.raises(TopologyError) as info:
+        device_topology(n, m, [PlatformDevice(id=i) for i in range(have)])
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert f"num_slices={n} x devices_per_slice={m} needs {n * m} devices but jax sees {have} gpu device" in msg
+    assert fits in msg
+    assert f"simulated=True, with XLA_FLAGS=--xla_force_host_platform_device_count={n * m}" in msg
 
 
 @pytest.mark.parametrize(("n", "m"), [(0, 2), (2, 0), (-1, 2)])

@@ -215,6 +215,7 @@ def test_weighted_mean_aux_is_the_size_weighted_mean_of_the_chunks(meshes):
 
 def test_trainer_refuses_a_global_batch_an_aux_step_would_micro_batch():
     cfg = ElasticConfig(
+        simulated=True,
         job_name="aux-refuse",
         num_slices=4,
         devices_per_slice=2,
