@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from elastic import ConfigError, ElasticConfig, ElasticJob, Faults, Policy, Processes, Trainer
+from elastic import ConfigError, ElasticConfig, ElasticError, ElasticJob, Faults, Policy, Processes, Trainer
 
 from .helpers import config, ledger_job
 
@@ -146,3 +146,22 @@ def test_leaf_that_would_not_split_after_a_shrink_fails_at_once():
             init_fn=init,
             shardings_fn=lambda mesh: {"w": P(("replica", "local"))},
         )
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_devices_are_not_its_slice_says_so(ray_local):
+    """Multi-process mode on real devices: each worker uses the devices its process sees (here the driver's 8
+    forced CPU devices, passed on in XLA_FLAGS), which must number ``devices_per_slice``."""
+    cfg = config(
+        "mp-real", simulated=False, num_slices=2, devices_per_slice=2, num_steps=4, processes=Processes(standby=False)
+    )
+    job = ElasticJob(cfg, init_fn=_init)
+
+    def loop(run):
+        for _ in run.steps:
+            run.commit(run.state)
+        return run.state
+
+    with pytest.raises(ElasticError) as info, job:
+        job.run(loop)
+    assert "worker sees 8 cpu device(s) but devices_per_slice=2: set devices_per_slice=8" in str(info.value)
