@@ -33,6 +33,7 @@ _LONG_FIRST = (
     "test_processes_faults.py",
     "test_demo_cli.py",
     "test_job_submit.py",
+    "test_submit_own_script.py",
     "test_flax.py",
     "test_processes.py",
     "test_operator_cli.py",
