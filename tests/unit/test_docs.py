@@ -158,13 +158,13 @@ def _parses(line: str, whole: bool = True) -> str | None:
             if why := _names_exist(argv):
                 return why
             continue
-        err = io.StringIO()
+        said = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
                 build_parser().parse_args(argv)
         except SystemExit as exit_:
             if exit_.code not in (0, None):  # --help exits 0
-                return err.getvalue().strip() or f"exit {exit_.code}"
+                return said.getvalue().strip() or f"exit {exit_.code}"
     return None
 
 
