@@ -53,7 +53,7 @@ def loop(run: elastic.Run):
     for step in run.steps:  # resumes at the snapshot's step
         x, y = run.shard_batch(get_batch(step))
         state, loss = step_fn(state, x, y)
-        run.commit(state, loss=loss)  # waits for the step; snapshots; follows membership changes
+        run.commit(state, loss=loss)  # confirms steps in order (two in flight); snapshots; follows membership
     return state
 
 
