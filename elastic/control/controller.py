@@ -199,6 +199,8 @@ class Controller:
             self._acct.timeline.add(
                 "resharded", step=placed.step, slices=len(view.active), epoch=view.epoch, **placed.detail
             )
+            if view.leaving:  # off slices on notice, at a step boundary: a planned shrink, nothing recomputed
+                self._acct.left(view, placed.step)
         elif placed.how == "fresh":
             self._acct.fresh_start(placed.step)
         else:
@@ -225,6 +227,7 @@ class Controller:
             return
         report.extra["heartbeats_late"] = usage.get("late_beats", 0)
         report.extra["slices_dropped_silent"] = usage.get("silent_drops", 0)
+        report.notices = max(report.notices, usage.get("notices", 0))  # those no view acted on too
 
     def _during_prepare(self, phase: str, step: int, view: View) -> None:
         """The fault-injection seam inside a move: the transfers are dispatched, not yet waited on."""
