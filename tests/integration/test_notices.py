@@ -115,3 +115,25 @@ def test_a_slice_that_dies_before_the_boundary_takes_the_failure_path(ray_local)
     assert r.steps_recomputed <= 4 and r.restores, r  # no more than the snapshot interval (5) less the step done
     (detail,) = r.notice_details
     assert detail["planned"] is False and detail["steps_recomputed"] == r.steps_recomputed, detail
+
+
+def test_a_restarted_supervisor_still_knows_the_slice_is_leaving(ray_local):
+    """The notice is in the stream: a supervisor restarted after it rebuilds the slice as leaving, and does not take
+    it back when its (still living) agent registers again."""
+    fired: list[int] = []
+
+    def on_step(step, metrics, run):
+        if step == 6 and not fired:
+            fired.append(step)
+            job.notice(2, deadline_s=300.0, reason="pool reclaims it")
+
+    job, loop = ledger_job("notice-restart", Faults().restart_supervisor(at_step=12), on_step=on_step, num_steps=24)
+    with job:
+        result = job.run(loop)
+        usage = ray.get(job.group.supervisor.usage.remote())
+        view = ray.get(job.group.supervisor.view.remote())
+    exactly_once(result.state, 24)
+    r = result.report
+    assert (r.notices, r.planned_shrinks, r.recoveries, r.steps_recomputed, r.slices_final) == (1, 1, 0, 0, 3), r
+    assert usage["leaving"] == [2] and usage["notices"] == 1, usage
+    assert 2 not in view.active and view.leaving == frozenset({2}), view
