@@ -54,6 +54,7 @@ from elastic.control.watcher import ViewWatcher
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.log import get_logger
 from elastic.supervision.membership import View
+from elastic.supervision.notices import past_deadline
 
 __all__ = ["Controller", "JobResult", "StepCallback", "StepHook"]
 
@@ -243,7 +244,11 @@ class Controller:
             self._stall.idle()
         if end.regroup is not None:
             self._acct.regrouped(view, end.regroup)
-            return Boundary(end.regroup)
+            late = past_deadline(end.regroup.notices, time.time())
+            if late and end.regroup.leaving & view.active:  # the slices count as gone: a failure, recovered
+                self._acct.failure(f"the deadline of the notice for slice(s) {late} passed before the step boundary")
+                self._recovering = True
+            return Boundary(end.regroup, late=bool(late))
         self._value = end.value
         steps = self._acct.ledger.steps
         return LoopReturned(

@@ -8,6 +8,7 @@ as a sequence of states::
     RUNNING --Boundary(bigger view)--> GROWING --Ready--> RUNNING
     RUNNING --Boundary(smaller view)--> RESHARDING --Ready--> RUNNING
     RUNNING --Boundary(a view leaving slices on notice)--> LEAVING --Ready--> RUNNING
+    RUNNING --Boundary(the same, past the notice's deadline)--> RESTORING (from the boundary's snapshot)
     RUNNING|RESTORING|RESHARDING|GROWING|LEAVING --Failed(slice-loss error or hung step)--> FAILED
     FAILED --Noted(supervisor already dropped a slice)--> RESTORING
     FAILED --Noted--> PROBING --Probed(dead)--> AWAITING_VIEW --ViewSeen--> RESTORING
@@ -87,9 +88,11 @@ class LoopReturned:
 
 @dataclass(frozen=True)
 class Boundary:
-    """At a step boundary the supervisor's view differs from the one the pass runs on."""
+    """At a step boundary the supervisor's view differs from the one the pass runs on. ``late``: the view leaves
+    slices on notice and a deadline of its notices passed before the boundary (the slices count as gone)."""
 
     view: View
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,8 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
         if s is not State.RUNNING:
             raise _bad(machine, event)
         if event.view.leaving & machine.view.active:  # slices on notice: their state moves off them, live
+            if event.late:  # never waits past the deadline: the failure path's restore (the boundary's snapshot)
+                return Machine(State.RESTORING, event.view), Prepare(event.view, live=False)
             return Machine(State.LEAVING, event.view), Prepare(event.view, live=True)
         grew = len(event.view.active) > len(machine.view.active)
         return (Machine(State.GROWING if grew else State.RESHARDING, event.view), Prepare(event.view, live=True))

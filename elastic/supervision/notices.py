@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from elastic.errors import NoticeError
 
-__all__ = ["Notice", "SOURCES", "make_notice", "move_bound", "refusal"]
+__all__ = ["Notice", "SOURCES", "make_notice", "move_bound", "past_deadline", "refusal"]
 
 # Where a notice may come from: a Python call today; a Ray node drain, a signal to a slice's process, a cloud's
 # maintenance event and the operator's command are the sources still to come.
@@ -113,3 +113,12 @@ def move_bound(wait_s: float | None, notices: Iterable[Notice], now: float) -> f
         return wait_s
     left = max(min(deadlines) - now, 0.0)
     return left if wait_s is None else min(wait_s, left)
+
+
+def past_deadline(notices: Iterable[Notice], now: float) -> str:
+    """The slices of ``notices`` whose deadline has passed by ``now``, named ("" when none has)."""
+    late: set[int] = set()
+    for n in notices:
+        if n.deadline <= now:
+            late |= n.slices
+    return _names(late)

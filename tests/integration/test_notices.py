@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -137,3 +139,29 @@ def test_a_restarted_supervisor_still_knows_the_slice_is_leaving(ray_local):
     assert (r.notices, r.planned_shrinks, r.recoveries, r.steps_recomputed, r.slices_final) == (1, 1, 0, 0, 3), r
     assert usage["leaving"] == [2] and usage["notices"] == 1, usage
     assert 2 not in view.active and view.leaving == frozenset({2}), view
+
+
+def test_a_boundary_past_the_deadline_takes_the_failure_path_and_loses_nothing(ray_local):
+    """The deadline passes before the job reaches a step boundary: it never waits past it; the slice counts as gone,
+    and the failure path restores the boundary's snapshot onto the rest (nothing recomputed)."""
+    fired: list[float] = []
+
+    def on_step(step, metrics, run):
+        if step == 8 and not fired:
+            notice = job.notice(1, deadline_s=0.2, reason="spot reclaim")
+            fired.append(notice.deadline)
+            while time.time() <= notice.deadline:  # the step in flight outlasts the deadline
+                time.sleep(0.01)
+
+    job, loop = ledger_job("notice-late", on_step=on_step, num_steps=N)
+    with job:
+        result = job.run(loop)
+    exactly_once(result.state)
+    r = result.report
+    assert (r.notices, r.planned_shrinks, r.recoveries, r.steps_recomputed, r.slices_final) == (1, 0, 1, 0, 3), r
+    (detail,) = r.notice_details
+    assert detail["planned"] is False and detail["steps_recomputed"] == 0, detail
+    failure = next(e for e in job.timeline.events if e["event"] == "failure")
+    assert "deadline" in failure["error"] and "slice(s) 1" in failure["error"], failure
+    (restore,) = r.restores
+    assert restore["step"] > 8, restore  # the boundary's own snapshot

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from elastic import Notice, NoticeError
-from elastic.supervision.notices import make_notice, move_bound, refusal
+from elastic.supervision.notices import make_notice, move_bound, past_deadline, refusal
 
 
 def notice(slices=frozenset({1}), deadline=100.0, at=40.0, **kw) -> Notice:
@@ -104,3 +104,18 @@ BOUNDS = [
 def test_move_bound(wait_s, deadlines, now, bound):
     notices = [notice(deadline=d, at=0.0) for d in deadlines]
     assert move_bound(wait_s, notices, now) == bound
+
+
+# (id, (slices, deadline) of each notice, now, the late slices named)
+LATE = [
+    ("none", (), 50.0, ""),
+    ("in-time", ((frozenset({1}), 60.0),), 50.0, ""),
+    ("at-the-deadline", ((frozenset({1}), 50.0),), 50.0, "1"),
+    ("one-of-two-late", ((frozenset({1}), 45.0), (frozenset({2, 3}), 70.0)), 50.0, "1"),
+    ("both-late", ((frozenset({3}), 45.0), (frozenset({0, 2}), 49.0)), 50.0, "0, 2, 3"),
+]
+
+
+@pytest.mark.parametrize(("notices", "now", "named"), [pytest.param(*r[1:], id=r[0]) for r in LATE])
+def test_past_deadline(notices, now, named):
+    assert past_deadline([notice(slices=s, deadline=d, at=0.0) for s, d in notices], now) == named
