@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -37,7 +38,10 @@ def test_a_notice_leaves_the_slice_at_a_step_boundary_and_recomputes_nothing(ray
         if step == 8:
             given["step"] = step
             given["epoch"] = run.epoch
-            job.notice(1, deadline_s=120.0, reason="host maintenance")
+            # from another thread, as a scheduler's callback would (joined: the notice is in before the next step)
+            caller = threading.Thread(target=job.notice, args=(1, 120.0, "host maintenance"))
+            caller.start()
+            caller.join()
 
     faults = Faults().kill_slice(1, at_step=16).revive_slice(1, at_step=22)
     job, loop = ledger_job("notice-leave", faults, on_step=on_step, num_steps=N)
