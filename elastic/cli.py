@@ -1,7 +1,7 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
 ``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``,
-``inject``
-(:mod:`elastic.ops.commands`), ``cleanup``, and ``wheel``/``submit`` (:mod:`elastic.ops.submit`)."""
+``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``cleanup``, and
+``wheel``/``submit`` (:mod:`elastic.ops.submit`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 from elastic.ops import commands as ops_cli
+from elastic.ops import drain as drain_cli
 from elastic.ops import submit as submit_cli
 from elastic.quiet import quiet_native, set_verbose
 
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")
     clean.set_defaults(func=_cleanup)
     ops_cli.register(sub)
+    drain_cli.register(sub)
     submit_cli.register(sub)
     plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")
     plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
