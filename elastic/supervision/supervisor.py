@@ -47,6 +47,7 @@ from elastic import priority
 from elastic.errors import AccessError, NoticeError, SupervisorError
 from elastic.log import get_logger
 from elastic.supervision import credential
+from elastic.supervision.drains import DrainWatcher
 from elastic.supervision.events import EventStream
 from elastic.supervision.membership import HealthEvent, View
 from elastic.supervision.notices import Notice, refusal
@@ -401,6 +402,8 @@ class Supervisor:
         """Judging runs once started; a supervisor rebuilt after a restart resumes it on its first call."""
         if self._monitor is None and self._resume and not self._closed:
             self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
+            drains = DrainWatcher(self._job, lambda: dict(self._agents), lambda: set(self._leaving), self._take_notice)
+            self._watches.add(asyncio.get_running_loop().create_task(drains.run()))  # Ray node drains as notices
 
     async def _run_monitor(self) -> None:
         """Judge heartbeats every ``tick_s``. Two guards against false alarms on a busy machine: time this
@@ -563,6 +566,10 @@ class Supervisor:
         leaving, or past its deadline, is refused (``NoticeError``, one line; written to the stream) and changes
         nothing."""
         self._authorize(token, "notice")
+        return await self._take_notice(notice)
+
+    async def _take_notice(self, notice: Notice) -> View:
+        """``notice`` past the credential check: the path every source takes (the drain watcher calls it here)."""
         if not isinstance(notice, Notice):
             raise NoticeError(f"notice takes an elastic.Notice, got {type(notice).__name__}")
         why = "notice refused: the job is closing" if self._closed else None
