@@ -107,6 +107,10 @@ def _demo(args: argparse.Namespace) -> int:
             from elastic.demos.crash import run_client_crash
 
             out = run_client_crash(mp, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
+    elif args.scenario == "drain":
+        from elastic.demos.drain import run_drain_demo
+
+        out = run_drain_demo(spec, deadline_s=args.notice_deadline, verify=args.verify, progress=not args.no_progress)
     elif args.scenario == "client-crash":
         from elastic.demos.crash import run_client_crash
 
@@ -228,9 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
     demo.add_argument(
         "--scenario",
-        choices=("slice-loss", "client-crash", *_MULTI),
+        choices=("slice-loss", "drain", "client-crash", *_MULTI),
         default="slice-loss",
-        help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
+        help="slice-loss: a slice dies and comes back; drain: a slice is given notice at --kill-at (deadline "
+        "--notice-deadline), the job leaves it at a step boundary, it dies at the deadline and comes back at "
+        "--revive-at; client-crash: the client is SIGKILLed mid-run "
         "and a new client resumes from the keeper tier; multi-process: one worker process per "
         "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
         "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
@@ -256,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kill-at", type=int, default=None, help="default 55 (multi-process: see --scenario)")
     demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")
     demo.add_argument("--snapshot-every", type=int, default=None, help="default 10 (multi-process: see --scenario)")
+    demo.add_argument(
+        "--notice-deadline",
+        type=float,
+        default=30.0,
+        help="drain: seconds from the notice to the slice's death (default 30)",
+    )
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument(
         "-v",
