@@ -98,17 +98,26 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
     if cmd == []:
         raise ClusterError("the head needs an entry point: elastic slurm start ... -- python train.py")
     token = job_dir.new_token()
-    head_node = RayNode(
-        ip=ip,
-        temp_dir=_temp_dir(node, False),
-        env=ray_env(token),
-        resources=host_resources(node.node_name, node.job_id),
-        object_store_memory=options.get("object_store_memory"),
-        log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):  # ray start gives its raylet 30 s to register: a busy host needs more
+        head_node = RayNode(
+            ip=ip,
+            temp_dir=_temp_dir(node, False),
+            env=ray_env(token),
+            resources=host_resources(node.node_name, node.job_id),
+            object_store_memory=options.get("object_store_memory"),
+            log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
+        )
+        try:
+            head_node.wait_started(options["head_timeout_s"])
+            break
+        except ClusterError as err:
+            head_node.stop(hard=True)
+            if attempt == START_ATTEMPTS:
+                job_dir.mark_done(node.job_id, 1)
+                raise
+            bound.warning("slurm_head_exited", attempt=attempt, error=str(err)[-400:])
     code = 1
     try:
-        head_node.wait_started(options["head_timeout_s"])
         job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         bound.info("slurm_head_started", address=head_node.address, nodes=node.num_nodes)
         code = _drive(job_dir, node, head_node, cmd, options, bound)
