@@ -145,7 +145,9 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
     # The job asked Slurm for the replacement: a one-node job named after it, run on the spare node.
     joins = slurm.jobs_named(f"{name}-join")
     assert len(joins) == 1 and joins[0]["NodeList"] == "n5", joins
-    assert joins[0]["JobState"] == "COMPLETED", joins
+    _wait("the join job's end", lambda: _ended(slurm, joins[0]["JobId"]), 60, out)  # it stops once the job ended
+    joins = slurm.jobs_named(f"{name}-join")
+    assert joins[0]["JobState"] == "COMPLETED" and joins[0]["ExitCode"] == "0:0", joins
     assert not slurm_cluster.processes_of(job) and not slurm_cluster.processes_of(joins[0]["JobId"])
     print(f"step 8 after {reached_s:.1f}s, job done after {time.monotonic() - started:.1f}s")
     slurm.run("scontrol", "update", "nodename=n4", "state=resume")
