@@ -12,6 +12,7 @@ model (``python -m elastic.demos.slurm``) as a multi-process job, one worker per
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -31,7 +32,7 @@ from tests.integration.ray_cluster import VENV_BIN, json_lines, processes_titled
 pytestmark = pytest.mark.integration
 
 ELASTIC = VENV_BIN / "elastic"
-START_TIMEOUT_S = 150  # submit -> the first steps: 4 Ray nodes and 4 workers started on a busy 2-core machine
+START_TIMEOUT_S = 240  # submit -> the first steps: 4 Ray nodes and 4 workers started on a busy 2-core machine
 END_TIMEOUT_S = 180  # from the node loss to the job's end: recovery, a join job's Ray node and worker, the rest
 
 
@@ -102,13 +103,13 @@ def _report(text: str) -> dict[str, Any]:
     return reports[-1]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_path: Path, short_tmp: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     name = f"ej-grow-{secrets.token_hex(3)}"
-    # Each step takes 0.2 s at least, 1 s on fewer slices: time for the replacement's node and worker to come.
-    args = ("--steps", "60", "--pace", "0.2", "--pace-degraded", "1", "--snapshot-every", "5")
+    # Each step takes 0.2 s at least, 1.5 s on fewer slices: time for the replacement's node and worker to come.
+    args = ("--steps", "60", "--pace", "0.2", "--pace-degraded", "1.5", "--snapshot-every", "5")
     job = _submit(slurm, work, short_tmp, name, 4, *args)
     out = lambda: _output(work, name, job) + slurm.log()  # noqa: E731
     started = time.monotonic()
@@ -127,6 +128,27 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
     # A node goes down: Slurm removes it from the allocation and kills what ran there.
     slurm.run("scontrol", "update", "nodename=n4", "state=down", "reason=elastic-test")
     _wait("end of n4's processes", lambda: not slurm_cluster.processes_of(job, "n4"), 60, out)
+
+    # The job's status from outside the allocation, while it runs: its Slurm job and head, then the operator's view.
+    found = subprocess.run(
+        [str(ELASTIC), "slurm", "status", "--job", name, "--dir", str(work / ".elastic-slurm"), "--json"],
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert found.returncode == 0, found.stderr[-3000:]
+    status = json.loads(found.stdout)
+    assert status["running"] and [job, name] == status["squeue"][0][:2], status
+    found = subprocess.run(
+        [str(ELASTIC), "status", "--job", name, "--json"],
+        env={**slurm.env, **status["env"], "ELASTIC_CONNECT_TIMEOUT_S": "30"},  # a busy head answers late
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert found.returncode == 0 and json.loads(found.stdout)["job"] == name, found.stdout + found.stderr
+
     _wait("the job's end", lambda: _ended(slurm, job), END_TIMEOUT_S, out)
     text = _output(work, name, job)
     info = slurm.job(job)
@@ -153,7 +175,7 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
     slurm.run("scontrol", "update", "nodename=n4", "state=resume")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_cancelled_allocation_resubmitted_resumes_from_the_orbax_tier(slurm, tmp_path: Path, short_tmp: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
