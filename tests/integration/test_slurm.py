@@ -157,12 +157,17 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
 
     report = _report(text)
     assert report["mode"] == "multi-process" and report["steps_committed"] == 60, report
-    assert report["min_slices_seen"] == 3 and report["slices_final"] == 4, report
+    # A survivor whose process dies while the group re-forms (a loaded machine; the runtime counts it in
+    # survivors_lost and replaces it on its own node) takes the job one slice lower before it grows back.
+    lowest = 3 - report["survivors_lost"]
+    assert report["survivors_lost"] <= 1 and report["min_slices_seen"] == lowest, report
+    assert report["slices_final"] == 4, report
     assert report["recoveries"] >= 1 and report["grows"] >= 1, report
     assert report["steps_recomputed"] <= 5, report  # at most the steps since the newest snapshot
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
     assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report
-    assert "on 3 slices" in text and text.rfind("on 4 slices") > text.find("on 3 slices"), text[-3000:]
+    low = f"on {lowest} slices"
+    assert low in text and text.rfind("on 4 slices") > text.find(low), text[-3000:]
 
     # The job asked Slurm for the replacement: a one-node job named after it, run on the spare node.
     joins = slurm.jobs_named(f"{name}-join")
