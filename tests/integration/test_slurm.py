@@ -157,10 +157,10 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
 
     report = _report(text)
     assert report["mode"] == "multi-process" and report["steps_committed"] == 60, report
-    # A survivor whose process dies while the group re-forms (a loaded machine; the runtime counts it in
-    # survivors_lost and replaces it on its own node) takes the job one slice lower before it grows back.
-    lowest = 3 - report["survivors_lost"]
-    assert report["survivors_lost"] <= 1 and report["min_slices_seen"] == lowest, report
+    # The job shrank to 3; on a loaded machine a survivor's process may die too as its group breaks (the runtime
+    # counts it in survivors_lost and replaces it on its own node): then it went to 2 before it grew back.
+    lowest = report["min_slices_seen"]
+    assert lowest == 3 or (lowest == 2 and report["survivors_lost"] >= 1), report
     assert report["slices_final"] == 4, report
     assert report["recoveries"] >= 1 and report["grows"] >= 1, report
     assert report["steps_recomputed"] <= 5, report  # at most the steps since the newest snapshot
@@ -176,7 +176,10 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
     joins = slurm.jobs_named(f"{name}-join")
     assert joins[0]["JobState"] == "COMPLETED" and joins[0]["ExitCode"] == "0:0", joins
     assert not slurm_cluster.processes_of(job) and not slurm_cluster.processes_of(joins[0]["JobId"])
-    print(f"step 8 after {reached_s:.1f}s, job done after {time.monotonic() - started:.1f}s")
+    print(
+        f"step 8 after {reached_s:.1f}s, job done after {time.monotonic() - started:.1f}s, "
+        f"lowest {lowest} slices, survivors_lost {report['survivors_lost']}"
+    )
     slurm.run("scontrol", "update", "nodename=n4", "state=resume")
 
 
