@@ -1,7 +1,7 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
 ``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``,
-``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``cleanup``, and
-``wheel``/``submit`` (:mod:`elastic.ops.submit`)."""
+``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``cleanup``,
+``wheel``/``submit`` (:mod:`elastic.ops.submit`) and ``slurm`` (:mod:`elastic.ops.slurm`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import NoReturn, TextIO
 from elastic.ops import commands as ops_cli
 from elastic.ops import drain as drain_cli
 from elastic.ops import submit as submit_cli
+from elastic.ops.slurm import commands as slurm_cli
 from elastic.quiet import quiet_native, set_verbose
 
 __all__ = ["main"]
@@ -312,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     ops_cli.register(sub)
     drain_cli.register(sub)
     submit_cli.register(sub)
+    slurm_cli.register(sub)
     plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")
     plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
     plan.add_argument("--slices", type=int)
