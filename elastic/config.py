@@ -14,7 +14,15 @@ from elastic.validate import count as _count
 from elastic.validate import instance as _instance
 from elastic.validate import positive as _positive
 
-__all__ = ["FIRST_STEP_FACTOR", "ElasticConfig", "Policy", "Processes", "Tiers", "check_batch_splits"]
+__all__ = [
+    "FIRST_STEP_FACTOR",
+    "ElasticConfig",
+    "NoticeSources",
+    "Policy",
+    "Processes",
+    "Tiers",
+    "check_batch_splits",
+]
 
 FIRST_STEP_FACTOR = 3  # the first step of each pass (a new mesh) waits this many step_timeout_s
 
@@ -115,6 +123,29 @@ class Processes:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NoticeSources:
+    """Where a slice's agent listens for notices that its host will go (beside ``job.notice``, ``elastic drain`` and
+    Ray node drains, which need no setting).
+
+    ``metadata_url``: the base of the cloud's metadata server as the host sees it (GCE:
+    ``http://metadata.google.internal/computeMetadata/v1``); each agent polls its ``instance/maintenance-event``,
+    ``instance/upcoming-maintenance`` and ``instance/preempted`` keys every ``metadata_poll_s`` seconds; a
+    ``{slice}`` in it is replaced by the agent's slice index. None (the default): not polled. A loss announced
+    there is a notice with ``maintenance_deadline_s`` seconds of warning.
+    """
+
+    metadata_url: str | None = None
+    metadata_poll_s: float = 5.0
+    maintenance_deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.metadata_url is not None and not self.metadata_url.startswith(("http://", "https://")):
+            raise ConfigError(f"NoticeSources.metadata_url is an http(s) URL; got {self.metadata_url!r}")
+        _positive("metadata_poll_s", self.metadata_poll_s)
+        _positive("maintenance_deadline_s", self.maintenance_deadline_s)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
     """One elastic job.
 
@@ -173,6 +204,7 @@ class ElasticConfig:
     global_batch_size: int | None = None
     processes: Processes | None = None
     steps_in_flight: int | None = None
+    notices: NoticeSources = NoticeSources()
 
     def __post_init__(self) -> None:
         if (

@@ -121,7 +121,7 @@ class SliceAgents:
     def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
         cfg = self._config
         return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
-            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name
+            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name, cfg.notices
         )
 
 

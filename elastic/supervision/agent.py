@@ -15,14 +15,24 @@ from typing import Any
 import ray
 
 from elastic import priority
+from elastic.config import NoticeSources
 from elastic.log import get_logger
+from elastic.supervision.maintenance import MaintenanceListener
 
 __all__ = ["SliceAgent", "SliceGroupAgent"]
 
 
 @ray.remote(num_cpus=0)
 class SliceAgent:
-    def __init__(self, slice_index: int, incarnation: int, supervisor: Any, interval_s: float, job: str) -> None:
+    def __init__(
+        self,
+        slice_index: int,
+        incarnation: int,
+        supervisor: Any,
+        interval_s: float,
+        job: str,
+        sources: NoticeSources | None = None,
+    ) -> None:
         priority.normal("agent", job=job, slice=slice_index)  # a late heartbeat is a false alarm
         self._slice = slice_index
         self._incarnation = incarnation
@@ -31,13 +41,26 @@ class SliceAgent:
         self._silent = False
         self._task: asyncio.Task | None = None
         self._log = get_logger("elastic.supervision.agent", job=job, slice=slice_index)
+        self._listener: MaintenanceListener | None = None
+        self._listening: asyncio.Task | None = None
+        if sources is not None and sources.metadata_url is not None:
+            self._listener = MaintenanceListener(sources, slice_index, job, self._give_notice)
 
     async def start(self) -> int:
-        """Register with the supervisor and start heartbeating; returns the incarnation."""
+        """Register with the supervisor and start heartbeating (and listening to the host's metadata server, where
+        configured); returns the incarnation."""
         await self._supervisor.register.remote(self._slice, self._incarnation, ray.get_runtime_context().current_actor)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._beat())
+        if self._listener is not None and self._listening is None:
+            self._listening = asyncio.get_running_loop().create_task(self._listener.run())
         return self._incarnation
+
+    async def _give_notice(self, deadline: float, reason: str) -> object:
+        """This host will go: a notice for this agent's slice (source ``maintenance``), down the one notice path."""
+        return await self._supervisor.agent_notice.remote(
+            [(self._slice, self._incarnation)], deadline, reason, "maintenance"
+        )
 
     async def _beat(self) -> None:
         while True:

@@ -2,10 +2,10 @@
 
 A :class:`Notice` names the slices that will go, by when (``deadline``, wall-clock seconds since the epoch, so that
 it means the same in every process of the job), why, and who said so (``source``). Every source (a Python call,
-``ElasticJob.notice``; the operator's ``elastic drain``; a Ray node drain) hands its notice to the supervisor through
-one method, ``Supervisor.notice`` (the drain watcher, inside the supervisor, through the same path past the
-credential check), which writes it to the job's event stream, marks the slices *leaving* (not failed) and publishes
-a view without them.
+``ElasticJob.notice``; the operator's ``elastic drain``; a Ray node drain; a host's maintenance event) hands its
+notice to the supervisor through one method, ``Supervisor.notice`` (the drain watcher inside the supervisor, and an
+agent's ``agent_notice``, join the same path past the credential check), which writes it to the job's event stream,
+marks the slices *leaving* (not failed) and publishes a view without them.
 
 :func:`refusal` is pure: why a notice cannot be taken (a slice the job does not hold, a deadline already past), or
 None. It reads no clock; the caller passes ``now``.
@@ -24,8 +24,8 @@ from elastic.errors import NoticeError
 __all__ = ["Notice", "SOURCES", "make_notice", "move_bound", "past_deadline", "refusal"]
 
 # Where a notice may come from: a Python call (``api``), the operator's ``elastic drain`` (``operator``), a Ray node
-# drain read from the GCS (``ray_drain``, :mod:`elastic.supervision.drains`); a signal to a slice's process and a
-# cloud's maintenance event are the sources still to come.
+# drain read from the GCS (``ray_drain``, :mod:`elastic.supervision.drains`), a host's metadata server
+# (``maintenance``, :mod:`elastic.supervision.maintenance`); a signal to a slice's process is the source still to come.
 SOURCES = ("api", "ray_drain", "sigterm", "maintenance", "operator")
 
 

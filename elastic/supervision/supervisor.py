@@ -595,6 +595,17 @@ class Supervisor:
             await self._evaluate()
         return self._view
 
+    async def agent_notice(
+        self, slices: list[tuple[int, int]], deadline: float, reason: str, source: str, token: str | None = None
+    ) -> View:
+        """An agent's notice for its own ``(slice, incarnation)`` pairs (its host's maintenance event): the agents'
+        credential suffices, and only the slices whose registered agent it is are taken, down the one notice path."""
+        self._authorize(token, "agent_notice", agents=True)
+        own = frozenset(s for s, incarnation in slices if self._incarnations.get(s) == incarnation)
+        if not own:
+            raise NoticeError("notice refused: the agent holds none of the slices it names; the job is unchanged")
+        return await self._take_notice(Notice(slices=own, deadline=deadline, reason=reason, source=source))
+
     async def run_id(self, token: str | None = None) -> str:
         """The run this supervisor writes events for (a client taking the job over writes to it too)."""
         self._authorize(token, "run_id")
