@@ -31,6 +31,7 @@ from elastic.log import get_logger
 from elastic.supervision import credential, events
 from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
+from elastic.supervision.identity import JobActors, SquatError, holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 __all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]
@@ -156,23 +157,33 @@ class ActorGroup:
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
         self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
 
+    @property
+    def actors(self) -> JobActors:
+        """The job's actors as its credential finds them (never by a name alone)."""
+        return JobActors(self._config.job_name, self._config.namespace, self.token)
+
     def launch(self, *, owned: Callable[[], None] | None = None) -> None:
         """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
         once the job's supervisor is this client's (created or taken over), while the agents start."""
         cfg = self._config
-        try:
-            existing = ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
-        except ValueError:
-            pass
-        else:
-            self._take_over(existing)
+        if holder(SUPERVISOR_NAME, cfg.namespace) is not None:  # read from Ray's actor table: nothing is called
+            self._take_over()
         self.run = self.run or events.new_run(cfg.job_name, key=self.stream_key)
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        handle = Supervisor.options(  # type: ignore[attr-defined]  # a ray actor class
-            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
-        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
+        try:  # a name taken since the check above raises here, before anything is sent to its holder
+            handle = Supervisor.options(  # type: ignore[attr-defined]  # a ray actor class
+                name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
+            ).remote(
+                cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token
+            )
+        except ValueError as err:
+            raise SquatError(
+                f"refused: the name {SUPERVISOR_NAME!r} in namespace {cfg.namespace!r} was taken by an actor job "
+                f"{cfg.job_name!r} did not create: nothing was sent to it; remove it or use another job_name"
+            ) from err
+        self.actors.record(SUPERVISOR_NAME, handle)  # how a successor and the operator's commands find it
         self.supervisor = Credentialed(handle, self.token)
         self._for_agents = Credentialed(handle, credential.derive(self.token, "agent"))  # registers and beats only
         write_token(cfg.job_name, self.token)
@@ -204,10 +215,12 @@ class ActorGroup:
         """The key the job's event stream records are signed under."""
         return credential.derive(self.token, "stream")
 
-    def _take_over(self, existing: Any) -> None:
+    def _take_over(self) -> None:
         """Another client's supervisor runs for this job: take the job over if that client is gone (its
         supervisor and agents are replaced, its keepers kept), refuse if it is alive, or if this process does not
-        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user)."""
+        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user). The
+        actor holding the supervisor's name is called only once its ID is the one the job recorded under that
+        credential (:mod:`elastic.supervision.identity`): a squatter, or another job's supervisor, gets nothing."""
         cfg = self._config
         token = find_token(cfg.job_name)
         if token is None:
@@ -216,6 +229,9 @@ class ActorGroup:
                 "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN"
             )
         self.token = token
+        existing = self.actors.find(SUPERVISOR_NAME)  # SquatError: not the job's under this credential
+        if existing is None:  # gone meanwhile: a fresh start
+            return
         try:  # the crashed client's run goes on: one stream tells the crash and the take-over
             self.run = ray.get(existing.run_id.remote(token=token), timeout=10)
         except AccessError as err:
@@ -265,6 +281,7 @@ class ActorGroup:
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
             agent = self._factory(index, incarnation, self._for_agents, options)
+            self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
             self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
@@ -377,7 +394,11 @@ class ActorGroup:
                         continue
                 agent = self._spawn(index)
                 new = self._incarnations[index]
-                self._starting[index] = (new, agent.start.remote(), time.monotonic() + self._config.startup_timeout_s)
+                self._starting[index] = (
+                    new,
+                    agent.start.remote(),
+                    time.monotonic() + self._config.startup_timeout_s,
+                )
                 self.respawns.append((index, new))
                 self._expect(index, new)
                 self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
@@ -451,7 +472,7 @@ class ActorGroup:
                 kill_actor(self.supervisor.handle)
             self._agents.clear()
             self._starting.clear()
-            sweep_agents(self._config.namespace)
+            sweep_agents(self.actors)
         remove_token(self._config.job_name, self.token)
 
 

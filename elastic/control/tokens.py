@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import ray
-
 from elastic.config import ElasticConfig
 from elastic.control.private import elastic_home, write_private
 from elastic.errors import ElasticError
 from elastic.log import get_logger
 from elastic.supervision import credential
+from elastic.supervision.identity import holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
 __all__ = ["find_token", "job_token", "read_token", "remove_token", "token_path", "write_token"]
@@ -26,9 +25,7 @@ __all__ = ["find_token", "job_token", "read_token", "remove_token", "token_path"
 def job_token(config: ElasticConfig) -> str:
     """The credential a client of job ``config`` runs under: its predecessor's when the job's supervisor is still
     there (a take-over; :func:`find_token`), else a new one. A take-over without it is refused at launch."""
-    try:
-        ray.get_actor(SUPERVISOR_NAME, namespace=config.namespace)
-    except ValueError:
+    if holder(SUPERVISOR_NAME, config.namespace) is None:  # Ray's actor table: the holder is not called
         return credential.new_token()
     return find_token(config.job_name) or credential.new_token()
 

@@ -157,6 +157,7 @@ def _inject(args: argparse.Namespace) -> int:
     from elastic.control.cluster import connect
     from elastic.control.tokens import find_token
     from elastic.errors import ConfigError
+    from elastic.supervision.identity import JobActors
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
     if not args.yes and not sys.stdin.isatty():
@@ -182,10 +183,10 @@ def _inject(args: argparse.Namespace) -> int:
             return 1
     connect()
     namespace = ElasticConfig(job_name=args.job).namespace
-    try:
-        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
-    except ValueError as err:
-        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
+    # The job's supervisor only: its ID checked against the job's signed record before the token goes to it
+    supervisor = JobActors(args.job, namespace, token).find(SUPERVISOR_NAME)
+    if supervisor is None:
+        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})")
     out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
     print(
         json.dumps({"job": args.job, **out})

@@ -79,6 +79,7 @@ class WorkerSpec:
     cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
     keepers: bool = False  # the job keeps keeper actors (in its namespace)
     keeper_credential: str | None = None  # what the job's keepers answer (elastic.supervision.credential "keeper")
+    identity_key: str | None = None  # checks the job's record of each keeper's actor ID (elastic.supervision.identity)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +142,7 @@ class SliceWorker:
             slice_index,
             keepers=spec.keepers,
             keeper_credential=spec.keeper_credential,
+            identity_key=spec.identity_key,
             log=self._log,
         )
         self._compile_s = 0.0

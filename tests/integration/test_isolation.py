@@ -28,8 +28,10 @@ from elastic.snapshot.image import checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier
 from elastic.supervision import events
 from elastic.supervision.credential import derive
+from elastic.supervision.identity import holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
+from .attackers import squat
 from .helpers import config, max_abs_diff, trainer
 from .test_keeper import make_image
 
@@ -348,3 +350,113 @@ def test_a_client_refused_at_launch_leaves_the_jobs_actors_alone(ray_local, monk
             assert ray.get(ray.get_actor(name_, namespace=namespace).__ray_ready__.remote(), timeout=30)
         result = job.run(loop)
     assert result.report.steps_committed == cfg.num_steps and result.report.recoveries == 0
+
+
+# -- a squatted name: the job never adopts an actor by its name ------------------------------------------------------
+
+
+def _count_loop(run):
+    state = run.state
+    step = run.guard(lambda state: {"w": state["w"] + 1.0})
+    for _ in run.steps:
+        state = step(state)
+        run.commit(state)
+    return state
+
+
+def _zeros(key):
+    return {"w": jnp.zeros((8,), jnp.float32)}
+
+
+def _gone(name: str, namespace: str, bound_s: float = 60.0) -> None:
+    """Until no actor holds ``name`` (ray.kill returns before the actor is dead)."""
+    deadline = time.monotonic() + bound_s
+    while holder(name, namespace) is not None:
+        assert time.monotonic() < deadline, f"{name} still held after {bound_s}s"
+        time.sleep(0.05)  # a bounded poll of Ray's actor table (Ray signals nothing when a name frees)
+
+
+def _one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_squatted_keeper_name_stops_the_job_and_is_never_called(ray_local, tmp_path):
+    """Attack 1: another driver creates ``keeper-0`` in the job's namespace before the job starts, answering with a
+    pickle that runs code where it is unpickled. The job stops with one line naming it; the squatter received no
+    call (no credential, no image) and nothing of it was unpickled; without it, the same job runs to the end."""
+    cfg = config(
+        f"iso-ksquat-{uuid.uuid4().hex[:6]}", num_slices=2, num_steps=6, snapshot_every=2, tiers=Tiers(keeper_every=1)
+    )
+    marker = tmp_path / "unpickled"
+    fake = squat("keeper-0", cfg.namespace, marker)
+    try:
+        with pytest.raises(AccessError) as refusal:
+            ElasticJob(cfg, init_fn=_zeros).start()
+        assert _one_line(str(refusal.value)) and "keeper-0" in str(refusal.value), refusal.value
+        assert ray.get(fake.received.remote(), timeout=30) == [] and not marker.exists()
+        left = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == cfg.namespace]
+        assert left == ["keeper-0"], left  # the job's own actors are gone; the squatter is left alone
+    finally:
+        ray.kill(fake, no_restart=True)
+    _gone("keeper-0", cfg.namespace)
+    with ElasticJob(cfg, init_fn=_zeros) as job:
+        result = job.run(_count_loop)
+    assert result.report.steps_committed == 6 and float(result.state["w"][0]) == 6.0
+    assert not marker.exists()
+    events.delete(cfg.job_name)
+
+
+@pytest.fixture
+def crashed_job(ray_local, monkeypatch, tmp_path):
+    """A job whose client and supervisor are gone (its stream and token file stay), and a squatter holding its
+    supervisor's name."""
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+    group = ActorGroup(config(f"iso-ssquat-{uuid.uuid4().hex[:6]}", num_slices=2))
+    group.launch()
+    namespace = group._config.namespace  # noqa: SLF001
+    ray.kill(group.supervisor.handle, no_restart=True)
+    _gone(SUPERVISOR_NAME, namespace)
+    marker = tmp_path / "unpickled"
+    fake = squat(SUPERVISOR_NAME, namespace, marker)
+    try:
+        yield group, fake, marker
+    finally:
+        ray.kill(fake, no_restart=True)
+        group.shutdown()
+        events.delete(group._config.job_name)  # noqa: SLF001
+
+
+def test_a_successor_sends_its_token_to_no_squatted_supervisor(crashed_job):
+    """Attack 2, the successor: a client taking the crashed job over finds the supervisor's name held by an actor
+    the job did not create. It stops with one line; the squatter received nothing (no token) and nothing of it was
+    unpickled."""
+    group, fake, marker = crashed_job
+    successor = ActorGroup(group._config)  # noqa: SLF001 - the same job: its token comes from the token file
+    assert successor.token == group.token
+    with pytest.raises(AccessError) as refusal:
+        successor.launch()
+    assert _one_line(str(refusal.value)) and "was not created by job" in str(refusal.value)
+    assert not successor.owns_job
+    assert ray.get(fake.received.remote(), timeout=30) == [] and not marker.exists()
+
+
+def test_operator_commands_send_no_token_to_a_squatted_supervisor(crashed_job, monkeypatch, capsys):
+    """Attack 2, the operator: inject, cleanup, status, events and report of the job, with its credential, against a
+    squatted supervisor: each a one-line error; the squatter received nothing and nothing of it was unpickled; the
+    job's stream is still there."""
+    group, fake, marker = crashed_job
+    job = group._config.job_name  # noqa: SLF001
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    token = ["--token", group.token]
+    for argv in (
+        ["inject", "kill", "--job", job, "--slice", "1", "--yes", *token],
+        ["cleanup", "--job-name", job, "--purge-events", *token],
+        ["status", "--job", job, *token],
+        ["events", "--job", job, *token],
+        ["report", "--job", job, *token],
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert _one_line(err) and "not created by" in err, (argv, err)
+    assert ray.get(fake.received.remote(), timeout=30) == [] and not marker.exists()
+    assert events.read(job, group.run)  # cleanup purged nothing
