@@ -103,12 +103,16 @@ CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long 
 
 
 class AgentFactory(Protocol):
-    """Starts a slice's agent actor (``options``: its name, namespace and placement); returns its handle. The
-    actor has ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``."""
+    """Starts a slice's agent actor (``options``: its name, namespace and placement; ``control``: the digest of the
+    job's control credential, which every call on the agent must carry); returns its handle. The actor has
+    ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``, each
+    taking ``token=``."""
 
     detached: bool  # the agent outlives the client (single-process mode's agents); else it dies with the driver
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any: ...
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any: ...
 
 
 class SliceAgents:
@@ -119,10 +123,12 @@ class SliceAgents:
     def __init__(self, config: ElasticConfig) -> None:
         self._config = config
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any:
         cfg = self._config
         return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
-            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name
+            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name, control
         )
 
 
@@ -162,6 +168,11 @@ class ActorGroup:
         """The job's actors as its credential finds them (never by a name alone)."""
         return JobActors(self._config.job_name, self._config.namespace, self.token)
 
+    @property
+    def control(self) -> str:
+        """The credential the job's agents answer (silence, stop, liveness): derived from the job's token."""
+        return credential.derive(self.token, "control")
+
     def launch(self, *, owned: Callable[[], None] | None = None) -> None:
         """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
         once the job's supervisor is this client's (created or taken over), while the agents start."""
@@ -192,7 +203,7 @@ class ActorGroup:
         if owned is not None:
             owned()
         deadline = time.monotonic() + cfg.startup_timeout_s
-        pending = [self._agents[i].start.remote() for i in sorted(self._agents)]
+        pending = [self._agents[i].start.remote(token=self.control) for i in sorted(self._agents)]
         ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)
         if not_ready:
             raise SupervisorError(
@@ -265,7 +276,7 @@ class ActorGroup:
         silent one still alive, is killed first (a repaired slice has one agent)."""
         agent = self._spawn(index)
         if wait:
-            ray.get(agent.start.remote(), timeout=self._config.startup_timeout_s)
+            ray.get(agent.start.remote(token=self.control), timeout=self._config.startup_timeout_s)
 
     def _spawn(self, index: int) -> Any:
         cfg = self._config
@@ -280,7 +291,7 @@ class ActorGroup:
                 options["lifetime"] = "detached"
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
-            agent = self._factory(index, incarnation, self._for_agents, options)
+            agent = self._factory(index, incarnation, self._for_agents, options, credential.digest(self.control))
             self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
@@ -312,7 +323,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(),
+                agent.start.remote(token=self.control),
                 time.monotonic() + self._config.startup_timeout_s,
             )
         self._expect(index, incarnation)
@@ -334,7 +345,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(),
+                agent.start.remote(token=self.control),
                 time.monotonic() + self._config.startup_timeout_s,
             )
             self.respawns.append((index, incarnation))
@@ -396,7 +407,7 @@ class ActorGroup:
                 new = self._incarnations[index]
                 self._starting[index] = (
                     new,
-                    agent.start.remote(),
+                    agent.start.remote(token=self.control),
                     time.monotonic() + self._config.startup_timeout_s,
                 )
                 self.respawns.append((index, new))
@@ -464,7 +475,9 @@ class ActorGroup:
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
                 close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
-            quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
+            quiet = [
+                agent.silence.remote(token=self.control) for agent in self._agents.values()
+            ]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():
                 kill_actor(agent)

@@ -105,13 +105,15 @@ class WorkerProcesses:
                     "the job starts"
                 )
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any:
         if workers_start_niced():  # its imports too start at an ordinary priority, without any right to raise it
             options = {**options, "runtime_env": NORMAL_PRIORITY}
         return (
             ray.remote(SliceWorker)
             .options(**self.actor_options(), **options, max_concurrency=16)
-            .remote(index, incarnation, supervisor, self._spec, self.env())
+            .remote(index, incarnation, supervisor, self._spec, self.env(), control)
         )
 
 

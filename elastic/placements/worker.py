@@ -41,6 +41,7 @@ from elastic.placements.group_tiers import GroupTiers
 from elastic.placements.holdings import Holdings
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.runtime import distributed
+from elastic.supervision.agent import check_control
 from elastic.supervision.membership import View
 
 __all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
@@ -109,7 +110,13 @@ class SliceWorker:
     """One slice's process. Wrapped by the placement with ``ray.remote(max_concurrency=...)``."""
 
     def __init__(
-        self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec, env: dict[str, str] | None = None
+        self,
+        slice_index: int,
+        incarnation: int,
+        supervisor: Any,
+        spec: WorkerSpec,
+        env: dict[str, str] | None = None,
+        control: str | None = None,
     ) -> None:
         priority.normal("worker", job=spec.config.job_name, slice=slice_index)  # its threads to come inherit it
         if env:  # before this process's jax backend starts (its devices, the collective timeout)
@@ -117,6 +124,7 @@ class SliceWorker:
         self.slice = slice_index
         self.incarnation = incarnation
         self._supervisor = supervisor
+        self._control = control  # digest of the job's control credential: its agent duties answer only that
         self._spec = spec
         cfg = spec.config
         self._config = cfg
@@ -157,8 +165,9 @@ class SliceWorker:
             self._compile_s += duration
 
     # -- agent duties ---------------------------------------------------------------------------------------------
-    def start(self) -> int:
+    def start(self, token: str | None = None) -> int:
         """Register with the supervisor and start heartbeating; returns the incarnation."""
+        check_control(self._control, token, "start", self._log)
         me = ray.get_runtime_context().current_actor
         ray.get(
             self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=self._config.startup_timeout_s
@@ -181,27 +190,32 @@ class SliceWorker:
             except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
                 self._log.warning("heartbeat_failed", error=repr(err)[:200])
 
-    def lifeline(self) -> None:
+    def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's wait fails when this process dies."""
+        check_control(self._control, token, "lifeline", self._log)
         threading.Event().wait()
 
-    def alive(self, slice_index: int | None = None) -> bool:
+    def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         """Answer the supervisor's check of a silent slice: True at once while this worker works; not while it is
         silenced (a hung host answers nothing)."""
+        check_control(self._control, token, "alive", self._log)
         while self._silent.is_set() and not self._stop_beats.is_set():
             time.sleep(0.1)
         return True
 
-    def silence(self) -> None:
+    def silence(self, token: str | None = None) -> None:
         """Stop heartbeating while the process lives on (as a hung agent would; the job's close silences it)."""
+        check_control(self._control, token, "silence", self._log)
         self._silent.set()
 
-    def stop_process(self) -> None:
+    def stop_process(self, token: str | None = None) -> None:
         """A hung host (``elastic inject --fault stop``): the whole process stops (SIGSTOP), heartbeats included."""
+        check_control(self._control, token, "stop_process", self._log)
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
 
-    def stall(self, seconds: float) -> float:
+    def stall(self, seconds: float, token: str | None = None) -> float:
         """No heartbeat goes out for ``seconds`` (a long pause of the host), then beating resumes."""
+        check_control(self._control, token, "stall", self._log)
         self._silent.set()
         time.sleep(seconds)
         self._silent.clear()

@@ -243,6 +243,15 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
         outcomes["keepers"] = bool(keepers) and all(
             refused(ray.get_actor(n, namespace=namespace).drop.remote()) for n in keepers
         )
+        agents = [
+            ray.get_actor(e["name"], namespace=namespace)
+            for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == namespace and e["name"].startswith("agent-")
+        ]
+        outcomes["agents"] = bool(agents) and all(
+            refused(a.silence.remote()) and refused(a.stop_process.remote()) for a in agents
+        )
+        outcomes["private"] = not any(hasattr(raw, m) for m in ("_observe", "_append", "_refuse", "_evaluate"))
         try:
             cleanup(job, purge_events=True, token="not-the-token")
             outcomes["cleanup"] = False
@@ -253,7 +262,7 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
     t.job._on_step = attack  # noqa: SLF001 - the test's hook into the running job
     result = t.fit()
     reference = trainer(f"iso-ref-{uuid.uuid4().hex[:6]}").fit()
-    assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 4, outcomes
+    assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 6, outcomes
     assert result.report.steps_committed == 40 and result.report.recoveries == 0
     assert max_abs_diff(result.state, reference.state) == 0.0
     events.delete(job)
@@ -460,3 +469,48 @@ def test_operator_commands_send_no_token_to_a_squatted_supervisor(crashed_job, m
         assert _one_line(err) and "not created by" in err, (argv, err)
     assert ray.get(fake.received.remote(), timeout=30) == [] and not marker.exists()
     assert events.read(job, group.run)  # cleanup purged nothing
+
+
+# -- every method gated: agents, the supervisor's private methods -----------------------------------------------------
+
+
+def test_another_job_can_neither_silence_nor_stop_nor_stall_the_agents(two_jobs):
+    """Attack 3: ``silence``, ``stall``, ``stop_process`` (and ``start``, ``lifeline``, ``alive``) on another job's
+    agents, without the credential or with the attacker's own: refused; no slice of the victim is dropped."""
+    mine, other = two_jobs
+    namespace = mine._config.namespace  # noqa: SLF001
+    for index in range(4):
+        raw = ray.get_actor(f"agent-{index}-0", namespace=namespace)  # what anyone can get
+        for token in (None, other.control, mine.token, derive(mine.token, "agent")):
+            for call in (
+                raw.silence.remote(token=token),
+                raw.stall.remote(5.0, token=token),
+                raw.stop_process.remote(token=token),
+                raw.start.remote(token=token),
+                raw.alive.remote(index, token=token),
+            ):
+                assert refused(call), (index, token)
+    view = ray.get(mine.supervisor.wait_for_epoch.remote(1, 3 * 1.5), timeout=60)  # past the heartbeat timeout
+    assert view.epoch == 1 and view.active == frozenset(range(4)), view  # nobody was dropped
+    assert ray.get(mine.agent(1).alive.remote(1, token=mine.control), timeout=30)  # its own credential works
+
+
+def test_the_supervisors_private_methods_are_unreachable(two_jobs):
+    """Attack 3: ``_observe`` (make the job give up), ``_append`` (a correctly signed forged record), ``_refuse``,
+    ``_evaluate``: no handle offers them, and a restarted supervisor replays only what the job wrote."""
+    mine, _ = two_jobs
+    job, run = mine._config.job_name, mine.run  # noqa: SLF001
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    for name in ("_observe", "_append", "_refuse", "_evaluate", "_authorize", "_replay", "_watch", "_run_monitor"):
+        with pytest.raises(AttributeError):
+            getattr(raw, name)
+    before = [r for r in events.read(job, run, writers=["supervisor"])]
+    pid = ray.get(mine.supervisor.usage.remote(), timeout=30)["pid"]
+    mine.kill_supervisor(no_restart=False)  # Ray restarts it: it replays its records
+    deadline = time.monotonic() + 60
+    while ray.get(mine.supervisor.usage.remote(), timeout=60)["pid"] == pid:
+        assert time.monotonic() < deadline, "the supervisor was not restarted"
+        time.sleep(0.05)  # a bounded poll of the actor (Ray says nothing when it restarts one)
+    view = ray.get(mine.supervisor.wait_for_epoch.remote(0, 1.0), timeout=60)
+    assert view.epoch == 1 and view.active == frozenset(range(4)) and view.gave_up is None, view
+    assert [r for r in events.read(job, run, writers=["supervisor"]) if r["seq"] < len(before)] == before
