@@ -40,7 +40,8 @@ def cleanup(
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))
     ]
-    _authorize_cleanup(job_name, actors, token, names, purge_events)
+    key = None if token is None else credential.derive(token, "stream")
+    proven = _authorize_cleanup(job_name, actors, key, names, purge_events)
     killed, foreign = [], []
     for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
         try:
@@ -54,35 +55,41 @@ def cleanup(
             close_supervisor(actor, job_name, token)
         ray.kill(actor, no_restart=True)
         killed.append(name)
+    log = get_logger("elastic.control.teardown", job=job_name)
     if foreign:
-        get_logger("elastic.control.teardown", job=job_name).warning("foreign_actors_left", names=foreign)
+        log.warning("foreign_actors_left", names=foreign)
     if purge_events:
-        events.delete(job_name)
+        kept = events.delete_runs(job_name, proven)
+        if kept:
+            log.warning("unproven_runs_kept", runs=kept)
     return sorted(killed)
 
 
-def _authorize_cleanup(job_name: str, actors: JobActors, token: str | None, names: list[str], purge: bool) -> None:
-    """``AccessError`` unless ``token`` is job ``job_name``'s credential, as the signed record of its live
-    supervisor (checked against the actor holding the name: nothing is sent to it) or its event stream's first
-    ``run_started`` tells; a job with neither has nothing to protect."""
+def _authorize_cleanup(job_name: str, actors: JobActors, key: str | None, names: list[str], purge: bool) -> list[str]:
+    """The runs of the job's stream whose own ``run_started`` (writer ``job``, the first record its client wrote)
+    verifies under ``key``: only those a purge deletes. ``AccessError`` unless the credential is the job's, as the
+    signed record of its live supervisor (checked against the actor holding the name: nothing is sent to it) or
+    those runs tell; a job with neither has nothing to protect."""
     what = f"cleanup of job {job_name!r}"
     hint = (
         "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
         "its own user"
     )
+    supervisor = False
     if SUPERVISOR_NAME in names:
         try:
-            if actors.find(SUPERVISOR_NAME) is not None:
-                return  # its record verifies under this credential and names the actor holding the name
+            supervisor = actors.find(SUPERVISOR_NAME) is not None  # its record verifies and names the holder
         except SquatError as err:
             raise AccessError(f"{what} {err}; {hint}") from err
-    if not names and not purge:
-        return
-    signed = [r for r in events.read(job_name, writers=["job"]) if r.get("kind") == "run_started"]
-    if not signed:
-        return  # no stream of this job: nothing of its own to protect but leftover actors
-    if token is None or not events.verify(signed, credential.derive(token, "stream"))[0]:
-        raise AccessError(f"{what} refused: no credential of this job here; {hint}")
+    proven: list[str] = []
+    unproven: list[str] = []
+    for run in events.runs(job_name):
+        first = [r for r in events.read(job_name, run, writers=["job"]) if r.get("seq") == 0]
+        ok = key is not None and first and first[0].get("kind") == "run_started" and events.verify(first, key)[0]
+        (proven if ok else unproven).append(run)
+    if supervisor or proven or not (names or (purge and unproven)):
+        return proven
+    raise AccessError(f"{what} refused: no credential of this job here; {hint}")
 
 
 def close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:

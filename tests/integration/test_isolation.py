@@ -27,7 +27,7 @@ from elastic.ops.runs import open_run
 from elastic.snapshot.image import checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier
 from elastic.supervision import events
-from elastic.supervision.credential import derive
+from elastic.supervision.credential import derive, new_token
 from elastic.supervision.identity import holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
@@ -514,3 +514,36 @@ def test_the_supervisors_private_methods_are_unreachable(two_jobs):
     view = ray.get(mine.supervisor.wait_for_epoch.remote(0, 1.0), timeout=60)
     assert view.epoch == 1 and view.active == frozenset(range(4)) and view.gave_up is None, view
     assert [r for r in events.read(job, run, writers=["supervisor"]) if r["seq"] < len(before)] == before
+
+
+def test_a_purge_after_planting_deletes_nothing_of_the_job(ray_local):
+    """Attack 4: another job plants a ``run_started`` signed under its own key (as the first record of a run of
+    its making, and inside the job's run) and asks ``cleanup --purge-events`` with that key: only what it planted
+    goes; every record of the job stays, and the job's own credential purges them."""
+    job, token, attacker = f"iso-purge-{uuid.uuid4().hex[:6]}", new_token(), new_token()
+    key = derive(token, "stream")
+    run = events.new_run(job, key=key)
+    stream = events.EventStream(job, run, "supervisor", key=key)
+    for i in range(323):
+        stream.append("progress", step=i)
+    theirs = derive(attacker, "stream")
+    planted = "00000000T000000.000000-0000"  # sorts first, and its wall says it came first
+    kv._internal_kv_put(
+        f"{job}/{planted}/job/{0:012d}".encode(),
+        json.dumps(events.sign({"wall": 0.0, "writer": "job", "seq": 0, "kind": "run_started"}, theirs)).encode(),
+        namespace=events.NAMESPACE,
+    )
+    kv._internal_kv_put(
+        f"{job}/{run}/job/{1:012d}".encode(),
+        json.dumps(events.sign({"wall": 0.0, "writer": "job", "seq": 1, "kind": "run_started"}, theirs)).encode(),
+        namespace=events.NAMESPACE,
+    )
+    before = events.read(job, run)
+    assert len(events.verify(before, key)[0]) == 324
+    try:
+        cleanup(job, purge_events=True, token=attacker)
+        assert events.read(job, run) == before and events.runs(job) == [run]  # only the planted run went
+        cleanup(job, purge_events=True, token=token)
+        assert events.runs(job) == [] and events.current_run(job) is None
+    finally:
+        events.delete(job)
