@@ -27,6 +27,7 @@ from elastic.ops.runs import open_run
 from elastic.snapshot.image import checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier
 from elastic.supervision import events
+from elastic.supervision.access import MAX_RECORD_BYTES, REFUSALS_WRITER
 from elastic.supervision.credential import derive, new_token
 from elastic.supervision.identity import holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME
@@ -252,6 +253,7 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
             refused(a.silence.remote()) and refused(a.stop_process.remote()) for a in agents
         )
         outcomes["private"] = not any(hasattr(raw, m) for m in ("_observe", "_append", "_refuse", "_evaluate"))
+        outcomes["flood"] = all(refused(ref) for ref in [raw.inject.remote("x" * 10_000, 1) for _ in range(500)])
         try:
             cleanup(job, purge_events=True, token="not-the-token")
             outcomes["cleanup"] = False
@@ -262,7 +264,7 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
     t.job._on_step = attack  # noqa: SLF001 - the test's hook into the running job
     result = t.fit()
     reference = trainer(f"iso-ref-{uuid.uuid4().hex[:6]}").fit()
-    assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 6, outcomes
+    assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 7, outcomes
     assert result.report.steps_committed == 40 and result.report.recoveries == 0
     assert max_abs_diff(result.state, reference.state) == 0.0
     events.delete(job)
@@ -547,3 +549,32 @@ def test_a_purge_after_planting_deletes_nothing_of_the_job(ray_local):
         assert events.runs(job) == [] and events.current_run(job) is None
     finally:
         events.delete(job)
+
+
+def test_a_flood_of_refused_calls_is_bounded_and_evicts_no_history(two_jobs):
+    """Attack 5: 10,000 refused calls on the supervisor, one of them with a command string of a megabyte: at most
+    ten refusal records per method a second, none over 4 KiB, and the supervisor's own records (its replay history)
+    untouched."""
+    mine, other = two_jobs
+    job, run = mine._config.job_name, mine.run  # noqa: SLF001
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    history = events.read(job, run, writers=["supervisor"])
+    huge = "x" * 1_000_000
+    assert refused(raw.inject.remote(huge, 1, token=other.token))
+    calls = []
+    for i in range(10_000):
+        calls.append(raw.view.remote(token=other.token) if i % 2 else raw.inject.remote(huge[:64], 1, token=None))
+    for ref in calls:
+        assert refused(ref)
+    records = [r for r in events.read(job, run) if r["kind"] == "refused_command"]
+    assert records and {r["writer"] for r in records} == {REFUSALS_WRITER}
+    assert max(len(json.dumps(r)) for r in records) < MAX_RECORD_BYTES
+    assert {r["command"] for r in records} <= {"inject", "view", "register", "heartbeat"}, {
+        r["command"] for r in records
+    }
+    for command in ("inject", "view"):
+        walls = sorted(r["wall"] for r in records if r["command"] == command)
+        assert all(b - a >= 1.0 - 1e-3 for a, b in zip(walls, walls[10:], strict=False)), walls  # <= 10 a second
+    assert events.read(job, run, writers=["supervisor"])[: len(history)] == history
+    view = ray.get(mine.supervisor.view.remote(), timeout=30)
+    assert view.epoch == 1 and view.active == frozenset(range(4)), view
