@@ -441,7 +441,8 @@ class ActorGroup:
                     self._log.warning("agent_respawn_failed", slice=index, incarnation=incarnation, error=error)
 
     def agent(self, index: int) -> Any:
-        return self._agents[index]
+        """Slice ``index``'s agent, its calls carrying the job's control credential (``.handle``: the actor's)."""
+        return Credentialed(self._agents[index], self.control)
 
     def kill_supervisor(self, *, no_restart: bool = True) -> None:
         """Kill the supervisor's process (``no_restart=False``: Ray starts it again, and it replays its log)."""

@@ -679,7 +679,7 @@ class ProcessPlacement:
         handle = self._handles.get(s)
         if handle is not None:
             try:
-                ray.kill(handle, no_restart=True)
+                ray.kill(getattr(handle, "handle", handle), no_restart=True)  # a Credentialed handle's actor
             except Exception:  # noqa: BLE001 - already gone
                 pass
         pid = self._pids.get(s)

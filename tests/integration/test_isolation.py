@@ -6,6 +6,7 @@ attacked mid-run ends equal to a run nobody attacked."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import stat
@@ -578,3 +579,81 @@ def test_a_flood_of_refused_calls_is_bounded_and_evicts_no_history(two_jobs):
     assert events.read(job, run, writers=["supervisor"])[: len(history)] == history
     view = ray.get(mine.supervisor.view.remote(), timeout=30)
     assert view.epoch == 1 and view.active == frozenset(range(4)), view
+
+
+# -- every method of every named actor refuses a call without the credential ---------------------------------------
+
+# Ray's own: __ray_call__ runs the caller's code in the actor (outside the promise); a handle's __init__ is the
+# handle's own Python method, not a call on the actor (``handle.__init__.remote`` does not exist)
+RAYS_OWN = {"__ray_call__", "__ray_ready__", "__ray_terminate__", "__init__"}
+
+
+def _refuses_every_method(handle, original: type, tokens) -> list[str]:
+    """Each method a handle of ``handle``'s actor offers (``dir``, Ray's own reflection), called with dummy arguments
+    and each of ``tokens``: the names of those that did not refuse."""
+    offered = sorted(set(dir(handle)) - RAYS_OWN)
+    assert offered and not [m for m in offered if m.startswith("_")], offered  # no private method is offered
+    accepted = []
+    for name in offered:
+        params = inspect.signature(getattr(original, name)).parameters.values()
+        required = [p for p in params if p.name not in ("self", "token") and p.default is inspect.Parameter.empty]
+        for token in tokens:
+            if not refused(getattr(handle, name).remote(*[None] * len(required), token=token)):
+                accepted.append(f"{name}({token!r})")
+    return accepted
+
+
+def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_local):
+    """Issue 42's enumeration: the supervisor, both agents, the keeper and the multi-process worker, each created
+    with a job's credential; every method a handle offers refuses a call without it (or with another job's)."""
+    from elastic.placements.worker import SliceWorker, WorkerSpec
+    from elastic.snapshot.keeper_actor import Keeper
+    from elastic.supervision.agent import SliceAgent, SliceGroupAgent
+    from elastic.supervision.credential import digest
+    from elastic.supervision.supervisor import Supervisor
+
+    token, other = new_token(), new_token()
+    cfg = config(f"iso-enum-{uuid.uuid4().hex[:6]}", num_slices=2)
+    job, namespace = cfg.job_name, cfg.namespace
+    control, wrong = digest(derive(token, "control")), [None, derive(other, "control"), token]
+    run = events.new_run(job, key=derive(token, "stream"))
+    spec = WorkerSpec(config=cfg, init_fn=_zeros)
+    actors = {
+        "supervisor": (
+            Supervisor.options(name="supervisor", namespace=namespace).remote(job, cfg.policy, 1.5, 0.05, run, token),
+            Supervisor.__ray_metadata__.modified_class,
+        ),  # noqa: E501
+        "agent": (
+            SliceAgent.options(name="agent-0-0", namespace=namespace).remote(0, 0, None, 0.1, job, control),
+            SliceAgent.__ray_metadata__.modified_class,
+        ),  # noqa: E501
+        "group agent": (
+            SliceGroupAgent.options(name="agents", namespace=namespace).remote({0: 0}, None, 0.1, job, control),
+            SliceGroupAgent.__ray_metadata__.modified_class,
+        ),  # noqa: E501
+        "keeper": (
+            Keeper.options(name="keeper-0", namespace=namespace).remote(1, digest(derive(token, "keeper"))),
+            Keeper.__ray_metadata__.modified_class,
+        ),  # noqa: E501
+        "worker": (
+            ray.remote(SliceWorker)
+            .options(name="agent-1-0", namespace=namespace, max_concurrency=16)
+            .remote(1, 0, None, spec, None, control),
+            SliceWorker,
+        ),  # noqa: E501
+    }
+    try:
+        for what, (created, cls) in actors.items():
+            ray.get(created.__ray_ready__.remote(), timeout=120)
+            name = {"supervisor": "supervisor", "agent": "agent-0-0", "group agent": "agents"}.get(what)
+            name = name or {"keeper": "keeper-0", "worker": "agent-1-0"}[what]
+            raw = ray.get_actor(name, namespace=namespace)  # what another job gets
+            tokens = {
+                "supervisor": [None, other, derive(token, "control")],
+                "keeper": [None, derive(other, "keeper"), token],
+            }.get(what, wrong)
+            assert _refuses_every_method(raw, cls, tokens) == [], what
+    finally:
+        for created, _ in actors.values():
+            ray.kill(created, no_restart=True)
+        events.delete(job)
