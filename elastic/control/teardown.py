@@ -72,7 +72,7 @@ def _authorize_cleanup(job_name: str, actors: JobActors, key: str | None, names:
     those runs tell; a job with neither has nothing to protect."""
     what = f"cleanup of job {job_name!r}"
     hint = (
-        "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
+        "pass the job's --token-file (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
         "its own user"
     )
     supervisor = False

@@ -2,7 +2,7 @@
 for the operator's commands and a successor client (a take-over).
 
 ``job_token`` is the credential a new client runs under (its predecessor's for a take-over, else a new one);
-``find_token`` the one an operator's command or a successor presents: ``--token``, ``$ELASTIC_TOKEN``, or the file
+``find_token`` the one an operator's command or a successor presents: ``--token-file``, ``$ELASTIC_TOKEN``, or the file
 ``$ELASTIC_HOME/tokens/<job>`` (0600 in a 0700 directory of this user) the job's client wrote.
 """
 
@@ -40,7 +40,7 @@ def write_token(job_name: str, token: str) -> None:
     path = token_path(job_name)
     try:
         write_private(path, token)
-    except (OSError, ElasticError) as err:  # a read-only or foreign home: operators then pass --token
+    except (OSError, ElasticError) as err:  # a read-only or foreign home: operators then pass --token-file
         get_logger("elastic.control.tokens", job=job_name).warning("token_not_written", path=str(path), error=str(err))
 
 
@@ -52,7 +52,7 @@ def read_token(job_name: str) -> str | None:
 
 
 def find_token(job_name: str, explicit: str | None = None) -> str | None:
-    """The job's credential: ``explicit`` (``--token``), else ``$ELASTIC_TOKEN``, else the file its client wrote
+    """The job's credential: ``explicit`` (``--token-file``), else ``$ELASTIC_TOKEN``, else the file its client wrote
     for this user."""
     return explicit or os.environ.get("ELASTIC_TOKEN") or read_token(job_name)
 

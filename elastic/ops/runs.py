@@ -68,7 +68,7 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None, 
         if token is None:
             raise AccessError(
                 f"no credential for job {job!r} here: run this as the job's user on its client machine "
-                "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+                "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
             )
         from elastic.config import ElasticConfig
         from elastic.supervision.identity import JobActors

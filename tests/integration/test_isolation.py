@@ -40,6 +40,14 @@ from .test_keeper import make_image
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
+def _secret(directory, token: str) -> str:
+    """A 0600 file holding ``token`` (credentials go to the CLI in files, never on its command line)."""
+    path = directory / f"token-{uuid.uuid4().hex[:6]}"
+    path.write_text(token)
+    path.chmod(0o600)
+    return str(path)
+
+
 def refused(ref) -> bool:
     try:
         ray.get(ref, timeout=30)
@@ -156,7 +164,7 @@ def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, cap
         ["cleanup", "--job-name", job, "--purge-events"],
         ["status", "--job", job],
         ["events", "--job", job],
-        ["status", "--job", job, "--token", other.token],
+        ["status", "--job", job, "--token-file", _secret(tmp_path, other.token)],
     ):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
@@ -164,7 +172,7 @@ def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, cap
     view = ray.get(mine.supervisor.view.remote(), timeout=30)  # the job is whole
     assert view.active == frozenset(range(4)) and events.read(job, mine.run)
     assert ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
-    assert main(["status", "--job", job, "--token", mine.token]) == 0  # with its credential, it answers
+    assert main(["status", "--job", job, "--token-file", _secret(tmp_path, mine.token)]) == 0  # its credential
     assert "epoch 1" in capsys.readouterr().out
 
 
@@ -273,7 +281,7 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
 
 def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
     """`elastic events --follow` before the job's stream exists waits for it, then prints its records until it
-    closes (the job's credential given explicitly, as an operator of another user would)."""
+    closes (the job's credential given in the environment, as an operator of another user would)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -282,7 +290,7 @@ def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
 
     job, token = f"iso-follow-{uuid.uuid4().hex[:6]}", new_token()
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=str(root))
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=str(root), ELASTIC_TOKEN=token)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -294,8 +302,6 @@ def test_events_follow_waits_for_a_job_that_has_not_started(ray_local):
             "90",
             "--job",
             job,
-            "--token",
-            token,
         ],
         env=env,
         cwd=root,
@@ -452,14 +458,14 @@ def test_a_successor_sends_its_token_to_no_squatted_supervisor(crashed_job):
     assert ray.get(fake.received.remote(), timeout=30) == [] and not marker.exists()
 
 
-def test_operator_commands_send_no_token_to_a_squatted_supervisor(crashed_job, monkeypatch, capsys):
+def test_operator_commands_send_no_token_to_a_squatted_supervisor(crashed_job, monkeypatch, capsys, tmp_path):
     """Attack 2, the operator: inject, cleanup, status, events and report of the job, with its credential, against a
     squatted supervisor: each a one-line error; the squatter received nothing and nothing of it was unpickled; the
     job's stream is still there."""
     group, fake, marker = crashed_job
     job = group._config.job_name  # noqa: SLF001
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    token = ["--token", group.token]
+    token = ["--token-file", _secret(tmp_path, group.token)]
     for argv in (
         ["inject", "kill", "--job", job, "--slice", "1", "--yes", *token],
         ["cleanup", "--job-name", job, "--purge-events", *token],
