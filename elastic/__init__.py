@@ -26,6 +26,8 @@ __all__ = (
     "Faults",
     "GiveUpError",
     "JobResult",
+    "Notice",
+    "NoticeError",
     "OptaxStep",
     "Policy",
     "Processes",
@@ -47,6 +49,7 @@ _WHERE = {
     "ConfigError": "errors",
     "ElasticError": "errors",
     "GiveUpError": "errors",
+    "NoticeError": "errors",
     "RecoveryTimeoutError": "errors",
     "SupervisorError": "errors",
     "SupervisorLostError": "errors",
@@ -63,6 +66,7 @@ _WHERE = {
     "OptaxStep": "api.trainer",
     "optax_step": "api.trainer",
     "View": "supervision.membership",
+    "Notice": "supervision.notices",
     "decide": "supervision.policy",
 }
 

@@ -1,7 +1,7 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
 ``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``,
-``inject``
-(:mod:`elastic.ops.commands`), ``cleanup``, and ``wheel``/``submit`` (:mod:`elastic.ops.submit`)."""
+``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``cleanup``,
+``wheel``/``submit`` (:mod:`elastic.ops.submit`) and ``slurm`` (:mod:`elastic.ops.slurm`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 from elastic.ops import commands as ops_cli
+from elastic.ops import drain as drain_cli
 from elastic.ops import submit as submit_cli
+from elastic.ops.slurm import commands as slurm_cli
 from elastic.quiet import quiet_native, set_verbose
 
 __all__ = ["main"]
@@ -106,6 +108,10 @@ def _demo(args: argparse.Namespace) -> int:
             from elastic.demos.crash import run_client_crash
 
             out = run_client_crash(mp, kill_at=args.kill_client_at, verify=args.verify, progress=not args.no_progress)
+    elif args.scenario == "drain":
+        from elastic.demos.drain import run_drain_demo
+
+        out = run_drain_demo(spec, deadline_s=args.notice_deadline, verify=args.verify, progress=not args.no_progress)
     elif args.scenario == "client-crash":
         from elastic.demos.crash import run_client_crash
 
@@ -227,9 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="kill a simulated slice mid-run, shrink, grow back, finish")
     demo.add_argument(
         "--scenario",
-        choices=("slice-loss", "client-crash", *_MULTI),
+        choices=("slice-loss", "drain", "client-crash", *_MULTI),
         default="slice-loss",
-        help="slice-loss: a slice dies and comes back; client-crash: the client is SIGKILLed mid-run "
+        help="slice-loss: a slice dies and comes back; drain: a slice is given notice at --kill-at (deadline "
+        "--notice-deadline), the job leaves it at a step boundary, it dies at the deadline and comes back at "
+        "--revive-at; client-crash: the client is SIGKILLed mid-run "
         "and a new client resumes from the keeper tier; multi-process: one worker process per "
         "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
         "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
@@ -255,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kill-at", type=int, default=None, help="default 55 (multi-process: see --scenario)")
     demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")
     demo.add_argument("--snapshot-every", type=int, default=None, help="default 10 (multi-process: see --scenario)")
+    demo.add_argument(
+        "--notice-deadline",
+        type=float,
+        default=30.0,
+        help="drain: seconds from the notice to the slice's death (default 30)",
+    )
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument(
         "-v",
@@ -293,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")
     clean.set_defaults(func=_cleanup)
     ops_cli.register(sub)
+    drain_cli.register(sub)
     submit_cli.register(sub)
+    slurm_cli.register(sub)
     plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")
     plan.add_argument("--chips", type=int, help="chips in the job (or --slices with --chips-per-slice)")
     plan.add_argument("--slices", type=int)

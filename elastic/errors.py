@@ -13,6 +13,7 @@ __all__ = [
     "ElasticError",
     "ConfigError",
     "GiveUpError",
+    "NoticeError",
     "RecoveryTimeoutError",
     "SupervisorError",
     "SupervisorLostError",
@@ -66,3 +67,8 @@ class AccessError(SupervisorError, PermissionError):
 class ClusterError(ElasticError, ConnectionError):
     """The Ray cluster could not be joined (unreachable, or it asks for a token this process lacks); the message
     says what to set."""
+
+
+class NoticeError(ElasticError, ValueError):
+    """A notice that a slice is leaving was refused (a slice the job does not hold, a deadline already past, or a
+    notice that is not well formed); the job is unharmed."""

@@ -29,6 +29,7 @@ def ray_local():
 # The longest files first: `make test` hands whole files to two workers (pytest-xdist, --dist loadfile) in
 # collection order, so starting with the long ones keeps one worker from finishing a long file alone at the end.
 _LONG_FIRST = (
+    "test_slurm.py",
     "test_chaos.py",
     "test_processes_faults.py",
     "test_demo_cli.py",

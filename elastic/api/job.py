@@ -9,7 +9,7 @@ same process.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from elastic.control.report import Ledger, Report, Timeline
 from elastic.control.tiers import TierSet
 from elastic.control.tokens import job_token
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
-from elastic.errors import ConfigError, ElasticError
+from elastic.errors import ConfigError, ElasticError, NoticeError
 from elastic.log import configure_logging, get_logger
 from elastic.placements.local import LocalPlacement
 from elastic.snapshot import SnapshotInfo
@@ -40,6 +40,7 @@ from elastic.supervision import events
 from elastic.supervision.credential import derive
 from elastic.supervision.events import EventStream
 from elastic.supervision.membership import View
+from elastic.supervision.notices import Notice, make_notice
 
 __all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
 
@@ -360,6 +361,29 @@ class ElasticJob:
                 "worker holds its own (see the report's snapshot figures)"
             )
         return self._tiers.latest()
+
+    def notice(self, slices: Iterable[int] | int, deadline_s: float, reason: str, source: str = "api") -> Notice:
+        """Slice(s) ``slices`` will go within ``deadline_s`` seconds, for ``reason`` (a scheduler's warning): the job
+        leaves them at the next step boundary, its live state moved onto the rest, nothing recomputed, no failure
+        counted; past the deadline, or if they die first, the failure path takes over. Callable from any thread
+        while ``run`` runs (a timer, a signal handler's thread, a scheduler's callback). Returns the notice taken.
+        ``NoticeError`` (one line; the job unharmed) for a slice the job does not hold, a deadline already past, or
+        a job not started. Single-process mode."""
+        if self._multi:
+            raise NoticeError("notice: multi-process mode does not take notices yet; a slice that goes is a failure")
+        notice = make_notice(slices, deadline_s, reason, source)
+        if self._group is None:
+            raise NoticeError("notice refused: the job is not started (call it while job.run runs)")
+        try:
+            view = ray.get(self._group.supervisor.notice.remote(notice), timeout=self.config.startup_timeout_s)
+        except NoticeError as err:  # the supervisor's refusal (raised through Ray, as a subclass of it)
+            raise NoticeError(str(getattr(err, "cause", None) or err).splitlines()[0]) from None
+        except Exception as err:  # noqa: BLE001 - the supervisor unreachable: the notice did not reach the job
+            raise NoticeError(f"notice not delivered: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
+        if self._watcher is not None:
+            self._watcher.offer(view)  # the loop sees the view at its next step boundary, not the next long poll
+        self._log.warning("notice_taken", slices=sorted(notice.slices), source=source, epoch=view.epoch)
+        return notice
 
     @property
     def group(self) -> ActorGroup:

@@ -11,6 +11,7 @@ from typing import Any
 from elastic.control.report import Ledger, Report, Timeline
 from elastic.log import get_logger
 from elastic.supervision.membership import View
+from elastic.supervision.notices import Notice
 
 __all__ = ["Accounting"]
 
@@ -30,6 +31,9 @@ class Accounting:
         self.failures_in_a_row = 0  # slice-loss errors before a step past ``_failed_step`` commits
         # called after each commit with (step, view): per-step consumers (metrics, the progress events)
         self.commit_sinks: list[Callable[[int, View], None]] = []
+        # notices acted on, until the first commit without their slices: (notice, epoch, recomputed then, planned)
+        self._leaving: list[tuple[Notice, int, int, bool]] = []
+        self._notice_epochs: set[int] = set()
 
     # -- the happy path ----------------------------------------------------------------------
     def committed(self, step: int, batch: int, metrics: dict[str, Any], view: View) -> None:
@@ -43,6 +47,8 @@ class Accounting:
             self._failure_at = None
         if step >= self._failed_step:
             self.failures_in_a_row = 0
+        if self._leaving:
+            self._running_without(step, view)
         for sink in self.commit_sinks:
             try:
                 sink(step, view)
@@ -60,6 +66,36 @@ class Accounting:
 
     def on_view(self, view: View) -> None:
         self.report.min_slices_seen = min(self.report.min_slices_seen, len(view.active))
+        if view.notices and view.epoch not in self._notice_epochs:  # a view that leaves slices on notice
+            self._notice_epochs.add(view.epoch)
+            self.report.notices += len(view.notices)
+            self._leaving += [(n, view.epoch, self.ledger.recomputed, False) for n in view.notices]
+
+    # -- notices ---------------------------------------------------------------------------------
+    def left(self, view: View, step: int) -> None:
+        """The live state moved off the slices ``view`` leaves on notice, at the boundary before ``step``."""
+        self.report.planned_shrinks += 1
+        self._leaving = [(n, e, r, planned or e == view.epoch) for n, e, r, planned in self._leaving]
+        self.timeline.add("left", step=step, epoch=view.epoch, slices=len(view.active), leaving=sorted(view.leaving))
+
+    def _running_without(self, step: int, view: View) -> None:
+        """The first commit after a view that left slices on notice: one figure per notice."""
+        now = time.time()
+        for notice, epoch, recomputed, planned in self._leaving:
+            detail = {
+                "source": notice.source,
+                "reason": notice.reason,
+                "slices": sorted(notice.slices),
+                "lead_s": round(notice.lead_s, 3),
+                "running_on_rest_s": round(now - notice.at, 3),
+                "steps_recomputed": self.ledger.recomputed - recomputed,
+                "planned": planned,
+                "epoch": epoch,
+            }
+            self.report.notice_details.append(detail)
+            shown = {k: v for k, v in detail.items() if k != "slices"} | {"left": detail["slices"]}
+            self.timeline.add("running_on_rest", step=step, slices=len(view.active), **shown)
+        self._leaving = []
 
     # -- failures and recoveries ---------------------------------------------------------------
     def failure(self, cause: str) -> None:
@@ -110,8 +146,10 @@ class Accounting:
 
     def regrouped(self, old: View, new: View) -> None:
         grew = len(new.active) > len(old.active)
-        self.report.grows += grew
-        self.timeline.add("grow" if grew else "shrink", epoch=new.epoch, slices=len(new.active), reason=new.reason)
+        leave = bool(new.leaving & old.active)
+        self.report.grows += grew and not leave
+        what = "leave" if leave else "grow" if grew else "shrink"
+        self.timeline.add(what, epoch=new.epoch, slices=len(new.active), reason=new.reason)
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self, view: View) -> Report:

@@ -54,6 +54,7 @@ from elastic.control.watcher import ViewWatcher
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.log import get_logger
 from elastic.supervision.membership import View
+from elastic.supervision.notices import past_deadline
 
 __all__ = ["Controller", "JobResult", "StepCallback", "StepHook"]
 
@@ -199,6 +200,8 @@ class Controller:
             self._acct.timeline.add(
                 "resharded", step=placed.step, slices=len(view.active), epoch=view.epoch, **placed.detail
             )
+            if view.leaving:  # off slices on notice, at a step boundary: a planned shrink, nothing recomputed
+                self._acct.left(view, placed.step)
         elif placed.how == "fresh":
             self._acct.fresh_start(placed.step)
         else:
@@ -225,6 +228,7 @@ class Controller:
             return
         report.extra["heartbeats_late"] = usage.get("late_beats", 0)
         report.extra["slices_dropped_silent"] = usage.get("silent_drops", 0)
+        report.notices = max(report.notices, usage.get("notices", 0))  # those no view acted on too
 
     def _during_prepare(self, phase: str, step: int, view: View) -> None:
         """The fault-injection seam inside a move: the transfers are dispatched, not yet waited on."""
@@ -240,7 +244,11 @@ class Controller:
             self._stall.idle()
         if end.regroup is not None:
             self._acct.regrouped(view, end.regroup)
-            return Boundary(end.regroup)
+            late = past_deadline(end.regroup.notices, time.time())
+            if late and end.regroup.leaving & view.active:  # the slices count as gone: a failure, recovered
+                self._acct.failure(f"the deadline of the notice for slice(s) {late} passed before the step boundary")
+                self._recovering = True
+            return Boundary(end.regroup, late=bool(late))
         self._value = end.value
         steps = self._acct.ledger.steps
         return LoopReturned(

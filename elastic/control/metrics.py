@@ -218,7 +218,7 @@ class JobMetrics:
                 self._high = max(self._high, int(record.get("step", 0)) - 1)
         elif event == "first_step":
             self._recovered(t)
-        elif event in ("shrink", "grow"):
+        elif event in ("shrink", "grow", "leave"):  # a leave: slices left on notice
             m["regroups"].inc(1, {**tags, "kind": event})
             if not self._pending:
                 self._fault_t = None  # the fault (if any) was handled at a boundary, without an error

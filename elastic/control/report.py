@@ -87,8 +87,8 @@ class Timeline:
 
 @dataclass(kw_only=True)
 class Report:
-    """A run's figures: slices seen, failures and recoveries, steps committed and recomputed, snapshots,
-    restores and their tiers, recovery seconds; ``to_dict()`` is what ``--json`` prints."""
+    """A run's figures: slices seen, failures and recoveries, notices and the slices left on them, steps committed
+    and recomputed, snapshots, restores and their tiers, recovery seconds; ``to_dict()`` is what ``--json`` prints."""
 
     slices_initial: int
     slices_final: int = 0
@@ -96,6 +96,8 @@ class Report:
     failures_injected: int = 0
     recoveries: int = 0
     grows: int = 0
+    notices: int = 0  # notices that slices would go, taken by the supervisor (every source)
+    planned_shrinks: int = 0  # slices left at a step boundary on a notice, the live state moved: nothing recomputed
     client_restarts: int = 0
     steps_committed: int = 0
     steps_recomputed: int = 0
@@ -117,6 +119,9 @@ class Report:
     standby_skipped: int = 0  # calls that do not fit some candidate mesh as made (they compile on recovery)
     standby_compile_seconds: float = 0.0
     recovery_seconds: list[float] = field(default_factory=list)
+    # per notice acted on: source, reason, slices, lead_s (its warning), running_on_rest_s (from the notice to the
+    # first step committed without its slices), steps_recomputed, planned (left at a boundary, not by the failure path)
+    notice_details: list[dict[str, Any]] = field(default_factory=list)
     final_loss: float | None = None
     wall_seconds: float = 0.0
     timeline: list[dict[str, Any]] = field(default_factory=list)

@@ -7,7 +7,9 @@ as a sequence of states::
     STARTING --Started--> RESTORING --Ready--> RUNNING --LoopReturned--> FINISHED
     RUNNING --Boundary(bigger view)--> GROWING --Ready--> RUNNING
     RUNNING --Boundary(smaller view)--> RESHARDING --Ready--> RUNNING
-    RUNNING|RESTORING|RESHARDING|GROWING --Failed(slice-loss error or hung step)--> FAILED
+    RUNNING --Boundary(a view leaving slices on notice)--> LEAVING --Ready--> RUNNING
+    RUNNING --Boundary(the same, past the notice's deadline)--> RESTORING (from the boundary's snapshot)
+    RUNNING|RESTORING|RESHARDING|GROWING|LEAVING --Failed(slice-loss error or hung step)--> FAILED
     FAILED --Noted(supervisor already dropped a slice)--> RESTORING
     FAILED --Noted--> PROBING --Probed(dead)--> AWAITING_VIEW --ViewSeen--> RESTORING
     PROBING --Probed(none dead, retries left)--> RESTORING (same view; past the retries: GAVE_UP)
@@ -54,6 +56,7 @@ class State(str, Enum):
     AWAITING_VIEW = "awaiting_view"
     RESTORING = "restoring"
     RESHARDING = "resharding"
+    LEAVING = "leaving"  # moving the live state off slices that will go (a notice), onto the rest
     GROWING = "growing"
     FINISHED = "finished"
     GAVE_UP = "gave_up"
@@ -85,9 +88,11 @@ class LoopReturned:
 
 @dataclass(frozen=True)
 class Boundary:
-    """At a step boundary the supervisor's view differs from the one the pass runs on."""
+    """At a step boundary the supervisor's view differs from the one the pass runs on. ``late``: the view leaves
+    slices on notice and a deadline of its notices passed before the boundary (the slices count as gone)."""
 
     view: View
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,7 @@ class Abort:
 
 Action = Prepare | RunPass | NoteFailure | Probe | AwaitView | Finish | GiveUp | Abort
 
-_ACTIVE = (State.RUNNING, State.RESTORING, State.RESHARDING, State.GROWING)
+_ACTIVE = (State.RUNNING, State.RESTORING, State.RESHARDING, State.GROWING, State.LEAVING)
 
 
 def _bad(machine: Machine, event: object) -> ValueError:
@@ -184,7 +189,7 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
             raise _bad(machine, event)
         return Machine(State.RESTORING, event.view), Prepare(event.view, live=False)
     if isinstance(event, Ready):
-        if s not in (State.RESTORING, State.RESHARDING, State.GROWING):
+        if s not in (State.RESTORING, State.RESHARDING, State.GROWING, State.LEAVING):
             raise _bad(machine, event)
         return replace(machine, state=State.RUNNING), RunPass()
     if isinstance(event, LoopReturned):
@@ -201,6 +206,10 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
     if isinstance(event, Boundary):
         if s is not State.RUNNING:
             raise _bad(machine, event)
+        if event.view.leaving & machine.view.active:  # slices on notice: their state moves off them, live
+            if event.late:  # never waits past the deadline: the failure path's restore (the boundary's snapshot)
+                return Machine(State.RESTORING, event.view), Prepare(event.view, live=False)
+            return Machine(State.LEAVING, event.view), Prepare(event.view, live=True)
         grew = len(event.view.active) > len(machine.view.active)
         return (Machine(State.GROWING if grew else State.RESHARDING, event.view), Prepare(event.view, live=True))
     if isinstance(event, Failed):

@@ -232,8 +232,11 @@ def _draw_marks(
                 ha="right" if x > 0.6 * end else "left",
                 bbox={"color": "white", "alpha": 0.8, "lw": 0},
             )
-        elif kind == "view" and r.get("decision") in ("Shrink", "Grow"):
-            line(x, "#888888", "view change (shrink/grow)", lw=0.8, ls=":")
+        elif kind == "view" and r.get("decision") in ("Shrink", "Grow", "Leave"):
+            line(x, "#888888", "view change (shrink/grow/leave)", lw=0.8, ls=":")
+        elif kind == "notice":  # a slice will go: warned, not failed
+            for s in r.get("slices") or []:
+                point(x, s + 0.3, "D", REFUSED, "notice (slice leaving)", 7)
         elif _timeline(r, "inject_revive"):  # a slice brought back: not a fault
             point(x, s if isinstance(s, int) else lanes - 0.5, "P", HEALED, "slice revived")
         elif (kind == "timeline" and str(r.get("event", "")).startswith("inject_")) or kind == "inject":

@@ -10,6 +10,7 @@ mesh one slice loss away and for the grow-back mesh (:class:`runtime.StandbyComp
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from elastic.control.pass_host import PassHost
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
 from elastic.control.tiers import TierSet
 from elastic.supervision.membership import View
+from elastic.supervision.notices import move_bound
 
 __all__ = ["LocalPlacement"]
 
@@ -86,7 +88,8 @@ class LocalPlacement:
         if live and moving is not None:
             moved = runtime.guarded(runtime.reshard, devices)(moving.state, shardings)
             during("grow" if len(view.active) > before else "reshard", moving.next_step, view)
-            state = runtime.wait_ready(moved, devices, timeout_s=self._wait_s, what=f"the move onto epoch {view.epoch}")
+            bound = move_bound(self._wait_s, view.notices, time.time())  # off leaving slices: by their deadline
+            state = runtime.wait_ready(moved, devices, timeout_s=bound, what=f"the move onto epoch {view.epoch}")
             self._prepared = (view, mesh, state, moving.next_step, moving.extras)
             return Placed(how="moved", step=moving.next_step)
         dst = self._landing(shardings)

@@ -14,7 +14,19 @@ from elastic.errors import ConfigError
 from elastic.supervision.membership import HealthEvent, View
 from elastic.validate import count, positive
 
-__all__ = ["Policy", "Decision", "Stay", "Shrink", "Grow", "Wait", "GiveUp", "decide", "healthy_slices", "HealthTally"]
+__all__ = [
+    "Policy",
+    "Decision",
+    "Stay",
+    "Shrink",
+    "Leave",
+    "Grow",
+    "Wait",
+    "GiveUp",
+    "decide",
+    "healthy_slices",
+    "HealthTally",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +71,15 @@ class Shrink(Decision):
     """Publish a view over ``to``: some active slices are lost (slices may also come back at once)."""
 
     to: frozenset[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leave(Decision):
+    """Publish a view over ``to``: the active slices ``leaving`` will go (a notice), none has failed. The job
+    leaves them at a step boundary, its live state moved onto ``to``: nothing recomputed, no failure."""
+
+    to: frozenset[int]
+    leaving: frozenset[int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +191,7 @@ def decide(
     now: float,
     policy: Policy,
     coming: AbstractSet[int] = frozenset(),
+    leaving: AbstractSet[int] = frozenset(),
 ) -> Decision:
     """What the supervisor should do now.
 
@@ -178,7 +200,10 @@ def decide(
     ``coming``: slices whose replacement agent has been started and is expected to register in time (the
     caller drops an expectation once it is late). Below ``min_slices`` the job waits, past
     ``repair_timeout_s`` too, while the slices coming would bring it back to ``min_slices``: it gives up only
-    when nothing that could arrive in time would be enough.
+    when nothing that could arrive in time would be enough. ``leaving``: slices a notice says will go; still
+    healthy, they are left (:class:`Leave`) while ``min_slices`` others remain, and never taken back (a new agent of
+    the slice, registering once it has gone and come back, is no longer leaving: the caller drops it then). Fewer
+    would remain: the job keeps them until they go, and the failure path takes over then.
     """
     if view.gave_up is not None:
         return Stay(reason=f"already gave up: {view.gave_up}")
@@ -209,17 +234,35 @@ def decide(
             reason=f"{len(usable)} usable slice(s) ({_names(usable)}) < min_slices={policy.min_slices}; "
             f"waiting for repair (repair_timeout_s={policy.repair_timeout_s})",
         )
-    lost = view.active - usable
-    back = usable - view.active
+    going = frozenset(leaving) & usable  # a leaving slice that failed already is lost like any other
+    kept = frozenset(usable) - going
+    if going and len(kept) < policy.min_slices:
+        kept = frozenset(usable)  # leaving would take the job below min_slices: keep them while they last
+    lost = view.active - kept
+    back = kept - view.active
+    if lost and lost <= going:
+        extra = f"; slice(s) {_names(back)} back" if back else ""
+        return Leave(
+            to=kept,
+            leaving=lost,
+            reason=f"slice(s) {_names(lost)} leaving (a notice){extra}: continue on {_names(kept)}",
+        )
     if lost:
         extra = f"; slice(s) {_names(back)} back" if back else ""
         held = f" (slice(s) {_names(lost & quarantined)} failed too often)" if lost & quarantined else ""
+        left = f"; slice(s) {_names(lost & going)} leaving" if lost & going else ""
         return Shrink(
-            to=frozenset(usable), reason=f"lost slice(s) {_names(lost)}{held}{extra}: continue on {_names(usable)}"
+            to=kept,
+            reason=f"lost slice(s) {_names(lost - going)}{held}{left}{extra}: continue on {_names(kept)}",
         )
     if back:
         verb = "joined" if view.epoch == 0 else "back"
-        return Grow(to=frozenset(usable), reason=f"slice(s) {_names(back)} {verb}: run on {_names(usable)}")
+        return Grow(to=kept, reason=f"slice(s) {_names(back)} {verb}: run on {_names(kept)}")
     if quarantined & healthy:
         return Stay(reason=f"slice(s) {_names(quarantined & healthy)} failed too often and stay out")
+    if going & view.active:
+        return Stay(
+            reason=f"slice(s) {_names(going & view.active)} leaving, but only {len(usable) - len(going)} would "
+            f"remain, below min_slices={policy.min_slices}: kept until they go"
+        )
     return Stay(reason="membership unchanged")

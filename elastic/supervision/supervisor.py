@@ -18,6 +18,11 @@ the client saw fail, is refused for good: only a new incarnation brings its slic
 for slices listed by ``respawnable`` (their agent died; not quarantined, not seen failing by the client).
 ``close`` ends supervision for good (the job is closing): it stops judging and writing events.
 
+A :class:`~elastic.supervision.notices.Notice` (slices that will go by a deadline), whatever its source, comes in
+through ``notice``: written to the stream, its slices marked *leaving* (not failed, not refused) and a view without
+them published (:class:`~elastic.supervision.policy.Leave`). A leaving slice is not taken back while its agent lives;
+a new agent of it (the slice gone and back) is no longer leaving, and the slice rejoins as any repaired one.
+
 Every call takes ``token=``: the job's credential (:mod:`elastic.supervision.credential`), or for registrations,
 heartbeats and views its agents' derived one. Only their SHA-256 digests are kept; a refused call raises
 :class:`~elastic.errors.AccessError` and is written to the stream. The records it writes are signed under the
@@ -38,14 +43,16 @@ from typing import Any
 import ray
 
 from elastic import priority
-from elastic.errors import SupervisorError
+from elastic.errors import NoticeError, SupervisorError
 from elastic.log import get_logger
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
 from elastic.supervision.access import Gate
+from elastic.supervision.drains import DrainWatcher
 from elastic.supervision.events import EventStream
 from elastic.supervision.membership import HealthEvent, View
-from elastic.supervision.policy import GiveUp, Grow, HealthTally, Policy, Shrink, Stay, Wait, decide
+from elastic.supervision.notices import Notice, refusal
+from elastic.supervision.policy import GiveUp, Grow, HealthTally, Leave, Policy, Shrink, Stay, Wait, decide
 
 __all__ = ["Supervisor", "SUPERVISOR_NAME"]
 
@@ -89,6 +96,8 @@ class Supervisor:
         self.silent_drops = 0  # slices dropped for their silence (no beat, no answer)
         self._view_agents: dict[int, int] = {}  # the agent of each active slice when the view was published
         self._coming: dict[int, tuple[int, float]] = {}  # slice -> (incarnation, deadline) of a replacement started
+        self._leaving: dict[int, tuple[int | None, Notice]] = {}  # slice -> (its agent, the notice) while leaving
+        self.notices = 0  # notices taken
         self._closed = False
         self._events: list[dict[str, Any]] = []
         self._gathered: list[Future[None]] | None = None  # writes started inside ``_gathering``, not yet waited for
@@ -158,7 +167,11 @@ class Supervisor:
         for e in self._events:
             if e["kind"] == "view":
                 self._view = View(
-                    epoch=e["epoch"], active=frozenset(e["active"]), gave_up=e["gave_up"], reason=e["reason"]
+                    epoch=e["epoch"],
+                    active=frozenset(e["active"]),
+                    gave_up=e["gave_up"],
+                    reason=e["reason"],
+                    leaving=frozenset(e.get("leaving", ())),
                 )
             elif e["kind"] == "health":
                 s, incarnation = e["slice"], e.get("incarnation")
@@ -172,6 +185,19 @@ class Supervisor:
                 self._revoked.add((e["slice"], e["incarnation"]))
                 if e["cause"] == _AGENT_DIED:
                     self._died.add((e["slice"], e["incarnation"]))
+            elif e["kind"] == "notice":
+                self.notices += 1
+                notice = Notice(
+                    slices=frozenset(e["slices"]),
+                    deadline=e["deadline"],
+                    reason=e["reason"],
+                    source=e["source"],
+                    at=e["at"],
+                )
+                self._leaving.update({s: (incarnation, notice) for s, incarnation in e["agents"]})
+        for s, (incarnation, _) in list(self._leaving.items()):  # a newer agent of the slice: it went and came back
+            if incarnation is not None and self._newest.get(s, incarnation) > incarnation:
+                del self._leaving[s]
         for s in self._tally.healthy:
             self._beats[s] = now
             self._incarnations[s] = None  # unknown until the agent registers again
@@ -231,6 +257,9 @@ class Supervisor:
             self._newest[s] = incarnation
             self._incarnations[s] = incarnation
             self._agents[s] = agent
+            left = self._leaving.get(s, (None, None))[0]
+            if left is not None and left < incarnation:
+                del self._leaving[s]  # a new agent: the slice went and is back
             self._beats[s] = now
             self._observe(s, True, f"agent registered (incarnation {incarnation})", incarnation=incarnation)
         unwatched = [pair for pair in fresh if pair not in self._watched]
@@ -361,6 +390,8 @@ class Supervisor:
         """Judging runs once started; a supervisor rebuilt after a restart resumes it on its first call."""
         if self._monitor is None and self._resume and not self._closed:
             self._monitor = asyncio.get_running_loop().create_task(self._run_monitor())
+            drains = DrainWatcher(self._job, lambda: dict(self._agents), lambda: set(self._leaving), self._take_notice)
+            self._watches.add(asyncio.get_running_loop().create_task(drains.run()))  # Ray node drains as notices
 
     async def _run_monitor(self) -> None:
         """Judge heartbeats every ``tick_s``. Two guards against false alarms on a busy machine: time this
@@ -419,7 +450,9 @@ class Supervisor:
         async with self._judging:  # one judgement at a time: one may wait for its records to land
             if self._monitor is None or self._closed:
                 return
-            decision = decide(self._view, self._tally, time.monotonic(), self._policy, self._arriving())
+            decision = decide(
+                self._view, self._tally, time.monotonic(), self._policy, self._arriving(), frozenset(self._leaving)
+            )
             renewed = self._renewed()
             if isinstance(decision, Stay) and renewed:  # same slices, but a lost member's agent was replaced
                 decision = Grow(
@@ -432,7 +465,18 @@ class Supervisor:
                 ):
                     self._append({"kind": "wait", "reason": decision.reason})
                 return
-            if isinstance(decision, (Shrink, Grow)):
+            if isinstance(decision, Leave):
+                notices: dict[int, Notice] = {}  # one notice may name several of the slices
+                for s in sorted(decision.leaving):
+                    notices.setdefault(id(self._leaving[s][1]), self._leaving[s][1])
+                view = View(
+                    epoch=self._view.epoch + 1,
+                    active=decision.to,
+                    reason=decision.reason,
+                    leaving=decision.leaving,
+                    notices=tuple(notices.values()),
+                )
+            elif isinstance(decision, (Shrink, Grow)):
                 view = View(epoch=self._view.epoch + 1, active=decision.to, reason=decision.reason)
             else:
                 assert isinstance(decision, GiveUp)
@@ -442,9 +486,9 @@ class Supervisor:
                     gave_up=decision.reason,
                     reason=decision.reason,
                 )
-            self._append(
-                {"kind": "view", "decision": type(decision).__name__, **asdict(view), "active": sorted(view.active)}
-            )
+            record = {**asdict(view), "active": sorted(view.active), "leaving": sorted(view.leaving)}
+            del record["notices"]  # each is in the stream already, as its own record
+            self._append({"kind": "view", "decision": type(decision).__name__, **record})
             if self._gathered is not None:
                 await self._flush()  # the view is seen only once its records have landed, as when written at once
             self._view = view
@@ -504,6 +548,42 @@ class Supervisor:
         else:
             agent.silence.remote(token=self._control)
         return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
+
+    async def notice(self, notice: Notice, token: str | None = None) -> View:
+        """Slices will go by ``notice.deadline``: every source's one way in. Written to the stream; its slices are
+        marked leaving and a view without them is published (unless fewer than ``min_slices`` would remain: then they
+        are kept until they go). Returns the view. A notice for a slice the job does not hold, or one already
+        leaving, or past its deadline, is refused (``NoticeError``, one line; written to the stream) and changes
+        nothing."""
+        self._authorize(token, "notice")
+        return await self._take_notice(notice)
+
+    async def _take_notice(self, notice: Notice) -> View:
+        """``notice`` past the credential check: the path every source takes (the drain watcher calls it here)."""
+        if not isinstance(notice, Notice):
+            raise NoticeError(f"notice takes an elastic.Notice, got {type(notice).__name__}")
+        why = "notice refused: the job is closing" if self._closed else None
+        why = why or refusal(
+            notice,
+            active=self._view.active,
+            leaving=frozenset(self._leaving),
+            now=time.time(),
+            gave_up=self._view.gave_up is not None,
+        )
+        if why is not None:
+            self._append({"kind": "notice_refused", **notice.record(), "why": why})
+            self._log.warning("notice_refused", why=why, source=notice.source, slices=sorted(notice.slices))
+            raise NoticeError(why)
+        agents = {s: self._incarnations.get(s, self._newest.get(s)) for s in sorted(notice.slices)}
+        async with self._gathering():  # the notice's record lands before the view it makes
+            self._append({"kind": "notice", **notice.record(), "agents": [[s, i] for s, i in agents.items()]})
+            self._leaving.update({s: (incarnation, notice) for s, incarnation in agents.items()})
+            self.notices += 1
+            self._log.warning(
+                "notice", slices=sorted(notice.slices), source=notice.source, lead_s=round(notice.lead_s, 3)
+            )
+            await self._evaluate()
+        return self._view
 
     async def run_id(self, token: str | None = None) -> str:
         """The run this supervisor writes events for (a client taking the job over writes to it too)."""
@@ -571,4 +651,6 @@ class Supervisor:
             "slices": len(self._incarnations),
             "late_beats": self.late_beats,
             "silent_drops": self.silent_drops,
+            "notices": self.notices,
+            "leaving": sorted(self._leaving),
         }

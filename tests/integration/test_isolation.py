@@ -31,6 +31,7 @@ from elastic.supervision import events
 from elastic.supervision.access import MAX_RECORD_BYTES, REFUSALS_WRITER
 from elastic.supervision.credential import derive, new_token
 from elastic.supervision.identity import holder
+from elastic.supervision.notices import make_notice
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
 from .attackers import squat
@@ -99,11 +100,12 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
         "usage": lambda t: raw.usage.remote(token=t),
         "wait_for_epoch": lambda t: raw.wait_for_epoch.remote(0, 0.1, token=t),
         "respawnable": lambda t: raw.respawnable.remote(token=t),
+        "notice": lambda t: raw.notice.remote(make_notice(1, 60.0, "not yours"), token=t),
     }
     for what, call in calls.items():
         for token in (None, other.token, "x" * 64):
             assert refused(call(token)), f"{what} with {token!r} was not refused"
-    for what in ("report_lost", "inject", "close", "events", "run_id"):  # the agents' credential commands nothing
+    for what in ("report_lost", "inject", "close", "events", "run_id", "notice"):  # agents' credential: no command
         assert refused(calls[what](agent_cred)), what
     assert ray.get(raw.heartbeats.remote([(0, 0)], token=agent_cred), timeout=30) == []  # ... but beats
     view = ray.get(mine.supervisor.view.remote(), timeout=30)

@@ -133,14 +133,22 @@ def command_lines() -> list[tuple[str, str, bool]]:
 
 
 def _names_exist(argv: list[str]) -> str | None:
-    """None when the subcommand and every option named exist (values and required arguments not checked)."""
-    parser = build_parser()
-    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    if not argv or argv[0] not in subs:
+    """None when the subcommand (nested ones too: ``slurm start``) and every option named exist (values and
+    required arguments not checked)."""
+    parser: argparse.ArgumentParser = build_parser()
+    command: list[str] = []
+    rest = list(argv)
+    while rest:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or rest[0] not in subs[0].choices:
+            break
+        command.append(rest.pop(0))
+        parser = subs[0].choices[command[-1]]
+    if not command:
         return f"no command {argv[0] if argv else ''!r}" if argv and not argv[0].startswith("-") else None
-    options = subs[argv[0]]._option_string_actions
-    unknown = [t for t in argv[1:] if t.startswith("-") and t != "--" and t.split("=")[0] not in options]
-    return f"elastic {argv[0]} has no option {', '.join(unknown)}" if unknown else None
+    options = parser._option_string_actions
+    unknown = [t for t in rest if t.startswith("-") and t != "--" and t.split("=")[0] not in options]
+    return f"elastic {' '.join(command)} has no option {', '.join(unknown)}" if unknown else None
 
 
 def _parses(line: str, whole: bool = True) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 
 from elastic.config import Policy
 from elastic.supervision.membership import HealthEvent, View
-from elastic.supervision.policy import Decision, GiveUp, Grow, Shrink, Stay, Wait, decide, healthy_slices
+from elastic.supervision.policy import Decision, GiveUp, Grow, Leave, Shrink, Stay, Wait, decide, healthy_slices
 
 
 def ev(time: float, slice: int, healthy: bool) -> HealthEvent:
@@ -374,3 +374,120 @@ def test_a_job_below_min_slices_waits_past_the_repair_timeout_while_replacements
     assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, three, coming=frozenset({1, 2})), Wait)
     strict = Policy(min_slices=2, repair_timeout_s=1.0, max_slice_failures=1)
     assert isinstance(decide(view, TWO_OF_THREE_LOST, 1000.0, strict, coming=frozenset({2})), GiveUp)
+
+
+# Notices: (id, policy, view, history, leaving, expected type, expected fields, slices the reason must name, words)
+ALL_UP = up(0.0, 0, 1, 2, 3)
+LEAVING_CASES: list[tuple[str, Policy, View, list[HealthEvent], frozenset[int], type, dict[str, Any], tuple, tuple]] = [
+    (
+        "leaving-slice-left",
+        Policy(min_slices=2),
+        View(epoch=1, active=ALL4),
+        ALL_UP,
+        frozenset({1}),
+        Leave,
+        {"to": frozenset({0, 2, 3}), "leaving": frozenset({1})},
+        (1, 0, 2, 3),
+        ("leaving", "notice"),
+    ),
+    (
+        "two-leaving-at-once",
+        Policy(min_slices=2),
+        View(epoch=1, active=ALL4),
+        ALL_UP,
+        frozenset({1, 3}),
+        Leave,
+        {"to": frozenset({0, 2}), "leaving": frozenset({1, 3})},
+        (1, 3),
+        ("leaving",),
+    ),
+    (
+        "leaving-already-left-stays-out",
+        Policy(min_slices=2),
+        View(epoch=2, active=frozenset({0, 2, 3})),
+        ALL_UP,
+        frozenset({1}),
+        Stay,
+        {},
+        (),
+        ("unchanged",),
+    ),
+    (
+        "leaving-would-go-below-min-kept",
+        Policy(min_slices=4),
+        View(epoch=1, active=ALL4),
+        ALL_UP,
+        frozenset({1}),
+        Stay,
+        {},
+        (1,),
+        ("leaving", "min_slices=4", "kept"),
+    ),
+    (
+        "leaving-slice-died-first-is-a-loss",
+        Policy(min_slices=2),
+        View(epoch=1, active=ALL4),
+        ONE_LOST,
+        frozenset({1}),
+        Shrink,
+        {"to": frozenset({0, 2, 3})},
+        (1,),
+        ("lost",),
+    ),
+    (
+        "one-leaving-one-lost-is-a-loss",
+        Policy(min_slices=2),
+        View(epoch=1, active=ALL4),
+        THREE_GONE,
+        frozenset({1}),
+        Shrink,
+        {"to": frozenset({0, 2})},
+        (3, 1),
+        ("lost", "leaving"),
+    ),
+    (
+        "leaving-while-another-back",
+        Policy(min_slices=2),
+        View(epoch=2, active=frozenset({0, 1, 2})),
+        ALL_UP,
+        frozenset({1}),
+        Leave,
+        {"to": frozenset({0, 2, 3}), "leaving": frozenset({1})},
+        (1, 3),
+        ("leaving", "back"),
+    ),
+    (
+        "nothing-leaving-all-healthy",
+        Policy(min_slices=2),
+        View(epoch=1, active=ALL4),
+        ALL_UP,
+        frozenset(),
+        Stay,
+        {},
+        (),
+        ("unchanged",),
+    ),
+    (
+        "leaving-below-min-already-waits",
+        Policy(min_slices=3),
+        View(epoch=1, active=frozenset({0, 1, 2})),
+        TWO_OF_THREE_LOST,
+        frozenset({0}),
+        Wait,
+        {},
+        (0,),
+        ("min_slices=3",),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "view", "history", "leaving", "kind", "fields", "must_name", "words"),
+    [pytest.param(*c[1:], id=c[0]) for c in LEAVING_CASES],
+)
+def test_decide_with_slices_leaving(policy, view, history, leaving, kind, fields, must_name, words):
+    decision = decide(view, history, 30.0, policy, leaving=leaving)
+    assert type(decision) is kind, decision
+    for name, expected in fields.items():
+        assert getattr(decision, name) == expected, decision
+    check_reason(decision, must_name, words)

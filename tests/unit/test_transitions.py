@@ -33,6 +33,7 @@ V3 = View(epoch=2, active=frozenset({0, 2, 3}), reason="slice 1 lost")
 V4_BACK = View(epoch=3, active=frozenset({0, 1, 2, 3}), reason="slice 1 back")
 GAVE_UP = View(epoch=2, active=frozenset({0}), gave_up="too few slices", reason="too few slices")
 DEAD = frozenset({1})
+V3_LEFT = View(epoch=2, active=frozenset({0, 2, 3}), reason="slice 1 leaving", leaving=frozenset({1}))
 
 # (id, state, view, event, next state, next view, action)
 TABLE = [
@@ -56,6 +57,28 @@ TABLE = [
     ),
     ("grow-at-boundary", S.RUNNING, V3, Boundary(V4_BACK), S.GROWING, V4_BACK, Prepare(V4_BACK, live=True)),
     ("shrink-at-boundary", S.RUNNING, V4, Boundary(V3), S.RESHARDING, V3, Prepare(V3, live=True)),
+    ("leave-at-boundary", S.RUNNING, V4, Boundary(V3_LEFT), S.LEAVING, V3_LEFT, Prepare(V3_LEFT, live=True)),
+    ("left", S.LEAVING, V3_LEFT, Ready(), S.RUNNING, V3_LEFT, RunPass()),
+    (
+        "leave-past-the-deadline-restores",
+        S.RUNNING,
+        V4,
+        Boundary(V3_LEFT, late=True),
+        S.RESTORING,
+        V3_LEFT,
+        Prepare(V3_LEFT, live=False),
+    ),
+    (
+        "late-but-nothing-leaving-is-a-shrink",
+        S.RUNNING,
+        V4,
+        Boundary(V3, late=True),
+        S.RESHARDING,
+        V3,
+        Prepare(V3, live=True),
+    ),
+    ("fail-leaving", S.LEAVING, V3_LEFT, Failed("x"), S.FAILED, V3_LEFT, NoteFailure("x")),
+    ("noted-after-a-leave", S.FAILED, V4, Noted(V3_LEFT), S.RESTORING, V3_LEFT, Prepare(V3_LEFT, live=False)),
     ("gave-up-at-boundary", S.RUNNING, V4, Boundary(GAVE_UP), S.GAVE_UP, GAVE_UP, GiveUp("too few slices", 2)),
     ("fail-running", S.RUNNING, V4, Failed("UNAVAILABLE"), S.FAILED, V4, NoteFailure("UNAVAILABLE")),
     ("fail-restoring", S.RESTORING, V4, Failed("x"), S.FAILED, V4, NoteFailure("x")),
@@ -134,6 +157,7 @@ IMPOSSIBLE = [
     (S.RESTORING, Boundary(V3)),
     (S.FAILED, Probed(DEAD, 1)),
     (S.RUNNING, Noted(V3)),
+    (S.LEAVING, Boundary(V3_LEFT)),
 ]
 
 

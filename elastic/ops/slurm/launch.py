@@ -1,0 +1,209 @@
+"""What runs on each Slurm node (``elastic slurm start``) and in the batch step (``elastic slurm run``).
+
+``run`` starts one task per node with ``srun --no-kill``; each task's ``start`` starts the node's Ray node. On
+the allocation's first node the Ray head starts first, its address goes to the job dir, and once every node of the
+allocation has joined, the entry point runs there as a Ray driver (``RAY_ADDRESS`` set: the job joins this
+cluster), its output in Slurm's. While it runs the head follows the job's node count and, as
+:class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits one-node jobs that join the cluster
+(``start --join``) to replace lost nodes. When it ends the head writes its exit status to the job dir, and every
+other node (joined ones too) stops its Ray node and ends. ``run`` exits with the entry point's status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from elastic.errors import ClusterError
+from elastic.log import get_logger
+from elastic.ops.slurm.allocation import JobDir, SlurmNode, node_address
+from elastic.ops.slurm.node import HOST_RESOURCE, RayNode, host_resources, ray_env
+from elastic.ops.slurm.regrow import Hold, RegrowPolicy, decide_regrow, queued_joins, submit_join
+
+__all__ = ["run_allocation", "start_node"]
+
+POLL_S = 1.0
+START_ATTEMPTS = 3
+log = get_logger("elastic.ops.slurm")
+
+
+def _temp_dir(node: SlurmNode, joined: bool) -> Path:
+    # Short: Ray's unix sockets live under it (107 bytes at most).
+    return Path(tempfile.gettempdir()) / f"ej{node.job_id}{'j' if joined else ''}-{node.node_name}"
+
+
+def _on_sigterm() -> list[bool]:
+    """Slurm ends a task with SIGTERM (scancel, a lost node, the time limit), then SIGKILL: unwind at once, and
+    stop the Ray node hard (the returned flag says it was so)."""
+    flag = [False]
+
+    def handler(signum: int, frame: Any) -> None:
+        flag[0] = True
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    return flag
+
+
+def run_allocation(job_dir: JobDir, cmd: Sequence[str], start_args: Sequence[str]) -> int:
+    """In the batch step: one ``start`` task per node, then the entry point's exit status."""
+    node = SlurmNode.from_env()
+    job_dir.create()
+    job_dir.clear_done(node.job_id)
+    srun = ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", f"--nodes={node.num_nodes}"]
+    start = [sys.executable, "-m", "elastic.cli", "slurm", "start", "--dir", str(job_dir.path.parent)]
+    start += ["--job", job_dir.job_name, *start_args, "--", *cmd]
+    code = subprocess.call([*srun, *start])
+    found = job_dir.exit_code(node.job_id)
+    return found if found is not None else (code or 1)
+
+
+def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict[str, Any]) -> int:
+    """This node's part: the head (the allocation's first node), or a node of the job's cluster."""
+    node = SlurmNode.from_env()
+    job_dir.create()
+    ip = node_address(node.node_name)
+    bound = log.bind(job=job_dir.job_name, slurm_job=node.job_id, node=node.node_name)
+    terminated = _on_sigterm()
+    if join or node.node_index > 0:
+        head = job_dir.wait_head(slurm_job_id=None if join else node.job_id, timeout_s=options["head_timeout_s"])
+        for attempt in range(1, START_ATTEMPTS + 1):  # a Ray node that fails to start (a busy head) starts again
+            ray_node = RayNode(
+                ip=ip,
+                temp_dir=_temp_dir(node, join),
+                env=ray_env(job_dir.token_path),
+                resources=host_resources(node.node_name, node.job_id),
+                head_address=head["address"],
+                object_store_memory=options.get("object_store_memory"),
+                log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
+            )
+            bound.info("slurm_node_started", head=head["address"], joined=join, attempt=attempt)
+            try:
+                while ray_node.alive() and job_dir.exit_code(head["slurm_job_id"]) is None:
+                    time.sleep(POLL_S / 2)
+            finally:
+                ray_node.stop(hard=terminated[0])
+            if job_dir.exit_code(head["slurm_job_id"]) is not None:
+                break
+            bound.warning("slurm_node_exited", attempt=attempt, log=ray_node.log_tail(400))
+        bound.info("slurm_node_stopped")
+        return 0
+    if cmd == []:
+        raise ClusterError("the head needs an entry point: elastic slurm start ... -- python train.py")
+    token = job_dir.new_token()
+    for attempt in range(1, START_ATTEMPTS + 1):  # ray start gives its raylet 30 s to register: a busy host needs more
+        head_node = RayNode(
+            ip=ip,
+            temp_dir=_temp_dir(node, False),
+            env=ray_env(token),
+            resources=host_resources(node.node_name, node.job_id),
+            object_store_memory=options.get("object_store_memory"),
+            log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
+        )
+        try:
+            head_node.wait_started(options["head_timeout_s"])
+            break
+        except ClusterError as err:
+            head_node.stop(hard=True)
+            if attempt == START_ATTEMPTS:
+                job_dir.mark_done(node.job_id, 1)
+                raise
+            bound.warning("slurm_head_exited", attempt=attempt, error=str(err)[-400:])
+    code = 1
+    try:
+        job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
+        bound.info("slurm_head_started", address=head_node.address, nodes=node.num_nodes)
+        code = _drive(job_dir, node, head_node, cmd, options, bound)
+    finally:
+        job_dir.mark_done(node.job_id, code)
+        head_node.stop(hard=terminated[0])
+        bound.info("slurm_head_stopped", exit_code=code)
+    return code
+
+
+def _drive(
+    job_dir: JobDir, node: SlurmNode, head: RayNode, cmd: Sequence[str], options: dict[str, Any], bound: Any
+) -> int:
+    # before ray's import, which reads RAY_AUTH_MODE
+    os.environ.update({k: v for k, v in ray_env(job_dir.token_path, {}).items() if k.startswith("RAY_")})
+    import ray
+
+    deadline = time.monotonic() + options["nodes_timeout_s"]
+    while True:  # a busy head answers late: ray.init gives up after its own retries
+        try:
+            ray.init(address=head.address, log_to_driver=False, configure_logging=False, namespace="elastic-slurm")
+            break
+        except ConnectionError as err:
+            if time.monotonic() > deadline or not head.alive():
+                raise ClusterError(f"cannot reach the job's Ray head at {head.address}: {err}") from err
+            bound.warning("slurm_head_unreachable", error=str(err)[:200])
+    try:
+        _wait_nodes(node.num_nodes, deadline, head)
+        bound.info("slurm_nodes_up", nodes=node.num_nodes)
+        env = {
+            **ray_env(job_dir.token_path),
+            "RAY_ADDRESS": head.address,
+            "ELASTIC_JOB_NAME": job_dir.job_name,
+            "ELASTIC_SLURM_JOB_DIR": str(job_dir.path),
+        }
+        proc = subprocess.Popen(list(cmd), env=env)
+        policy: RegrowPolicy = options["policy"]
+        submitted: list[str] = []
+        below_since: float | None = None
+        last = ""
+        while proc.poll() is None:
+            time.sleep(POLL_S)
+            alive, joined_jobs = _hosts()
+            now = time.monotonic()
+            below_since = (below_since or now) if alive < node.num_nodes else None
+            queued = [j for j, _ in queued_joins(job_dir.job_name) if j not in joined_jobs] if below_since else []
+            choice = decide_regrow(
+                want=node.num_nodes,
+                alive=alive,
+                queued=len(queued),
+                submitted=len(submitted),
+                below_since=below_since,
+                now=now,
+                policy=policy,
+            )
+            if isinstance(choice, Hold):
+                if choice.reason != last:  # once per change, not every poll
+                    bound.info("slurm_regrow_hold", nodes=alive, reason=choice.reason)
+                    last = choice.reason
+                continue
+            for _ in range(choice.count):
+                job = submit_join(job_dir.job_name, str(job_dir.path.parent), start_args=options["start_args"])
+                submitted.append(job)
+                bound.info("slurm_join_submitted", join_job=job, nodes=alive, reason=choice.reason)
+        return proc.returncode
+    finally:
+        ray.shutdown()
+
+
+def _hosts() -> tuple[int, set[str]]:
+    """The job's Ray nodes alive, and the Slurm job ids they came from."""
+    import ray
+
+    alive, jobs = 0, set()
+    for n in ray.nodes():
+        res = n.get("Resources", {})
+        if n.get("Alive") and res.get(HOST_RESOURCE):
+            alive += 1
+            jobs |= {k.removeprefix("slurm_job_") for k in res if k.startswith("slurm_job_")}
+    return alive, jobs
+
+
+def _wait_nodes(count: int, deadline: float, head: RayNode) -> None:
+    while (have := _hosts()[0]) < count:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{have} of the allocation's {count} Ray nodes joined in time (--nodes-timeout)")
+        if not head.alive():
+            raise ClusterError(f"the Ray head exited:\n{head.log_tail()}")
+        time.sleep(0.25)
