@@ -69,7 +69,7 @@ class PerSliceMux:
             await asyncio.gather(*(self._supervisor.heartbeat.remote(s, i) for s, i in beats), return_exceptions=True)
             await asyncio.sleep(self._interval_s)
 
-    async def lifeline(self) -> None:
+    async def lifeline(self, token: str | None = None) -> None:
         await asyncio.Event().wait()
 
     async def silence(self, slices: list[int] | None = None) -> float:

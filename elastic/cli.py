@@ -301,11 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.set_defaults(func=_chaos)
     clean = sub.add_parser("cleanup", help="kill a job's leftover supervisor and agents (joins RAY_ADDRESS)")
     clean.add_argument("--job", "--job-name", dest="job", required=True, help="the job's name")
-    clean.add_argument(
-        "--token",
-        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
-        "for this user under $ELASTIC_HOME/tokens)",
-    )
+    ops_cli.add_credential(clean)
     clean.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     clean.add_argument("--purge-events", action="store_true", help="also delete the job's event stream (all runs)")
     clean.add_argument("--json", action="store_true", help="JSON on stdout (the output is JSON in any case)")

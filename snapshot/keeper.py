@@ -26,6 +26,7 @@ import ray
 import structlog
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .errors import KeeperAccessError
 from .image import HostImage, Index
 from .keeper_actor import Keeper
 from .seal import seal, sealed
@@ -83,12 +84,18 @@ class KeeperTier:
         credential: str | None = None,
         image_key: str | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
+        adopt: Callable[[str], Any | None] | None = None,
+        created: Callable[[str, Any], None] | None = None,
     ) -> None:
         if num_keepers < 1 or keep < 1 or every < 1:
             raise ValueError(f"num_keepers, keep and every must be at least 1, got {num_keepers}, {keep}, {every}")
         self.namespace, self._num, self._keep, self._every = namespace, num_keepers, keep, every
         self._avoid_node, self._timeout_s = avoid_node, timeout_s
         self._credential, self._image_key, self._on_refused = credential, image_key, on_refused
+        # Never a keeper found by its name alone: ``adopt(name)`` returns the job's own keeper of that name (its
+        # identity checked by the caller, before any call on it) or None; ``created(name, handle)`` records one
+        # created here. Without ``adopt``, a name held already is refused.
+        self._adopt, self._created = adopt, created
         self._keepers: dict[str, Any] = {}  # name -> handle; a keeper that died is removed
         self._asked: list[str] = []  # the nodes start() placed keepers on (ready() reports against them)
         self._cond = threading.Condition()
@@ -105,11 +112,13 @@ class KeeperTier:
         }
 
     def start(self, *, wait: bool = True) -> KeeperTier:
-        """Get or create the keepers, on other nodes than ``avoid_node`` where the cluster has any.
+        """Create the keepers (or adopt the job's own, through ``adopt``), on other nodes than ``avoid_node`` where
+        the cluster has any.
 
-        Keepers that exist already are reused as they are (their ``keep`` included). ``wait=False`` returns
-        once they are asked for, so that their processes start while the caller does other work; then
-        :meth:`ready` must be called before any other method.
+        Keepers adopted are reused as they are (their ``keep`` included). A keeper name held by an actor that is
+        not the job's is refused (:class:`~snapshot.errors.KeeperAccessError`): that actor is never called.
+        ``wait=False`` returns once they are asked for, so that their processes start while the caller does other
+        work; then :meth:`ready` must be called before any other method.
 
         Placement is a hard node affinity: Ray 2.60's soft affinity was seen to ignore the node it was
         given (two keepers on one node) even with both nodes alive. Raises if no keeper comes up.
@@ -119,15 +128,25 @@ class KeeperTier:
         access = None if self._credential is None else hashlib.sha256(self._credential.encode()).hexdigest()
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
-            self._keepers[name] = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
-                name=name,
-                namespace=self.namespace,
-                lifetime="detached",
-                get_if_exists=True,
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self._keep, access)
+            handle = self._adopt(name) if self._adopt is not None else None
+            if handle is None:
+                try:  # a name taken meanwhile raises here: nothing of the actor holding it is loaded or called
+                    handle = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
+                        name=name,
+                        namespace=self.namespace,
+                        lifetime="detached",
+                        num_cpus=0,
+                        max_restarts=0,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    ).remote(self._keep, access)
+                except ValueError as err:
+                    raise KeeperAccessError(
+                        f"keeper name {name!r} in namespace {self.namespace!r} is held by an actor this job did not "
+                        "create: it was not used"
+                    ) from err
+                if self._created is not None:
+                    self._created(name, handle)
+            self._keepers[name] = handle
         self._asked = nodes
         return self.ready() if wait else self
 
@@ -150,15 +169,17 @@ class KeeperTier:
         cls,
         namespace: str,
         *,
+        adopt: Callable[[str], Any | None],
         every: int = 1,
         timeout_s: float = 60.0,
         credential: str | None = None,
         image_key: str | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
     ) -> KeeperTier | None:
-        """A client of the keepers already running in ``namespace`` (e.g. left by a crashed client), or None.
+        """A client of the job's keepers already running in ``namespace`` (e.g. left by a crashed client), or None.
 
-        Creates no actor; pushes from it go to the keepers found.
+        Creates no actor; pushes from it go to the keepers found. Each ``keeper-*`` name is resolved by ``adopt``
+        (the job's own keeper, or None; it raises for an actor the job did not create): never by its name alone.
         """
         names = sorted(
             e["name"]
@@ -173,12 +194,12 @@ class KeeperTier:
             credential=credential,
             image_key=image_key,
             on_refused=on_refused,
+            adopt=adopt,
         )
         for name in names:
-            try:
-                tier._keepers[name] = ray.get_actor(name, namespace=namespace)
-            except ValueError:  # died meanwhile
-                pass
+            handle = adopt(name)
+            if handle is not None:  # None: died meanwhile
+                tier._keepers[name] = handle
         return tier._run() if tier._keepers else None
 
     def _run(self) -> KeeperTier:

@@ -19,6 +19,7 @@ import ray
 import structlog
 
 from .errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureError
+from .gated import gated_actor
 from .image import HostImage, Index, assemble
 
 __all__ = ["Keeper"]
@@ -27,6 +28,7 @@ log = structlog.get_logger("snapshot.keeper")
 
 
 @ray.remote(max_concurrency=4)  # type: ignore[call-overload]  # ray's stubs lack actor options
+@gated_actor  # its private methods unreachable through Ray; each public one takes token=
 class Keeper:
     """Holds the newest ``keep`` images of one job, ordered by step.
 

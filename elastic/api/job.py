@@ -267,9 +267,16 @@ class ElasticJob:
         elif self.config.tiers.keeper_every:
             from elastic.snapshot.keeper import KeeperTier, keepers_for
 
-            keeper = derive(self._group.token, "keeper")
-            self._keepers = KeeperTier.attach(self.config.namespace, credential=keeper) or KeeperTier(
-                self.config.namespace, num_keepers=keepers_for(self.config.tiers.keepers), keep=1, credential=keeper
+            keeper, actors = derive(self._group.token, "keeper"), self._group.actors
+            self._keepers = KeeperTier.attach(
+                self.config.namespace, adopt=actors.find, credential=keeper
+            ) or KeeperTier(
+                self.config.namespace,
+                num_keepers=keepers_for(self.config.tiers.keepers),
+                keep=1,
+                credential=keeper,
+                adopt=actors.find,
+                created=actors.record,
             ).start(wait=False)
 
     def _snapshot_stats(self) -> dict[str, Any]:
@@ -297,6 +304,7 @@ class ElasticJob:
             cache_dir=self._cache_dir,
             keepers=bool(self.config.tiers.keeper_every),
             keeper_credential=derive(token, "keeper"),
+            identity_key=derive(token, "identity"),
         )
 
     def close(self) -> None:

@@ -136,7 +136,7 @@ class FaultInjector:
                 group.kill_agent(fault.slice)
         elif fault.kind == "silence":
             self._acct.report.failures_injected += 1
-            group.agent(fault.slice).silence.remote()
+            group.agent(fault.slice).silence.remote(token=group.control)
         elif fault.kind == "revive":
             self.settle()  # its agent's kill first
             if self._simulated:

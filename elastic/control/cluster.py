@@ -31,6 +31,7 @@ from elastic.log import get_logger
 from elastic.supervision import credential, events
 from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
+from elastic.supervision.identity import JobActors, SquatError, holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 __all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]
@@ -102,12 +103,16 @@ CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long 
 
 
 class AgentFactory(Protocol):
-    """Starts a slice's agent actor (``options``: its name, namespace and placement); returns its handle. The
-    actor has ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``."""
+    """Starts a slice's agent actor (``options``: its name, namespace and placement; ``control``: the digest of the
+    job's control credential, which every call on the agent must carry); returns its handle. The actor has
+    ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``, each
+    taking ``token=``."""
 
     detached: bool  # the agent outlives the client (single-process mode's agents); else it dies with the driver
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any: ...
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any: ...
 
 
 class SliceAgents:
@@ -118,10 +123,12 @@ class SliceAgents:
     def __init__(self, config: ElasticConfig) -> None:
         self._config = config
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any:
         cfg = self._config
         return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
-            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name, cfg.notices
+            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name, cfg.notices, control
         )
 
 
@@ -156,23 +163,38 @@ class ActorGroup:
         self.run: str | None = None  # the event stream's run (elastic.supervision.events): new, or the crashed client's
         self.token = token or job_token(config)  # the job's credential (a successor takes its predecessor's)
 
+    @property
+    def actors(self) -> JobActors:
+        """The job's actors as its credential finds them (never by a name alone)."""
+        return JobActors(self._config.job_name, self._config.namespace, self.token)
+
+    @property
+    def control(self) -> str:
+        """The credential the job's agents answer (silence, stop, liveness): derived from the job's token."""
+        return credential.derive(self.token, "control")
+
     def launch(self, *, owned: Callable[[], None] | None = None) -> None:
         """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
         once the job's supervisor is this client's (created or taken over), while the agents start."""
         cfg = self._config
-        try:
-            existing = ray.get_actor(SUPERVISOR_NAME, namespace=cfg.namespace)
-        except ValueError:
-            pass
-        else:
-            self._take_over(existing)
+        if holder(SUPERVISOR_NAME, cfg.namespace) is not None:  # read from Ray's actor table: nothing is called
+            self._take_over()
         self.run = self.run or events.new_run(cfg.job_name, key=self.stream_key)
         # On the client's node: a host lost elsewhere must not take the supervisor with it (a soft affinity was seen
         # ignored for detached actors, Ray 2.60); if the client's node dies, the job's client is gone anyway.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        handle = Supervisor.options(  # type: ignore[attr-defined]  # a ray actor class
-            name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
-        ).remote(cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token)
+        try:  # a name taken since the check above raises here, before anything is sent to its holder
+            handle = Supervisor.options(  # type: ignore[attr-defined]  # a ray actor class
+                name=SUPERVISOR_NAME, namespace=cfg.namespace, lifetime="detached", scheduling_strategy=here
+            ).remote(
+                cfg.job_name, cfg.policy, cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s / 2, self.run, self.token
+            )
+        except ValueError as err:
+            raise SquatError(
+                f"refused: the name {SUPERVISOR_NAME!r} in namespace {cfg.namespace!r} was taken by an actor job "
+                f"{cfg.job_name!r} did not create: nothing was sent to it; remove it or use another job_name"
+            ) from err
+        self.actors.record(SUPERVISOR_NAME, handle)  # how a successor and the operator's commands find it
         self.supervisor = Credentialed(handle, self.token)
         self._for_agents = Credentialed(handle, credential.derive(self.token, "agent"))  # registers and beats only
         write_token(cfg.job_name, self.token)
@@ -181,7 +203,7 @@ class ActorGroup:
         if owned is not None:
             owned()
         deadline = time.monotonic() + cfg.startup_timeout_s
-        pending = [self._agents[i].start.remote() for i in sorted(self._agents)]
+        pending = [self._agents[i].start.remote(token=self.control) for i in sorted(self._agents)]
         ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)
         if not_ready:
             raise SupervisorError(
@@ -204,10 +226,12 @@ class ActorGroup:
         """The key the job's event stream records are signed under."""
         return credential.derive(self.token, "stream")
 
-    def _take_over(self, existing: Any) -> None:
+    def _take_over(self) -> None:
         """Another client's supervisor runs for this job: take the job over if that client is gone (its
         supervisor and agents are replaced, its keepers kept), refuse if it is alive, or if this process does not
-        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user)."""
+        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user). The
+        actor holding the supervisor's name is called only once its ID is the one the job recorded under that
+        credential (:mod:`elastic.supervision.identity`): a squatter, or another job's supervisor, gets nothing."""
         cfg = self._config
         token = find_token(cfg.job_name)
         if token is None:
@@ -216,6 +240,9 @@ class ActorGroup:
                 "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN"
             )
         self.token = token
+        existing = self.actors.find(SUPERVISOR_NAME)  # SquatError: not the job's under this credential
+        if existing is None:  # gone meanwhile: a fresh start
+            return
         try:  # the crashed client's run goes on: one stream tells the crash and the take-over
             self.run = ray.get(existing.run_id.remote(token=token), timeout=10)
         except AccessError as err:
@@ -249,7 +276,7 @@ class ActorGroup:
         silent one still alive, is killed first (a repaired slice has one agent)."""
         agent = self._spawn(index)
         if wait:
-            ray.get(agent.start.remote(), timeout=self._config.startup_timeout_s)
+            ray.get(agent.start.remote(token=self.control), timeout=self._config.startup_timeout_s)
 
     def _spawn(self, index: int) -> Any:
         cfg = self._config
@@ -264,7 +291,8 @@ class ActorGroup:
                 options["lifetime"] = "detached"
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
-            agent = self._factory(index, incarnation, self._for_agents, options)
+            agent = self._factory(index, incarnation, self._for_agents, options, credential.digest(self.control))
+            self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
             self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
@@ -295,7 +323,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(),
+                agent.start.remote(token=self.control),
                 time.monotonic() + self._config.startup_timeout_s,
             )
         self._expect(index, incarnation)
@@ -317,7 +345,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(),
+                agent.start.remote(token=self.control),
                 time.monotonic() + self._config.startup_timeout_s,
             )
             self.respawns.append((index, incarnation))
@@ -377,7 +405,11 @@ class ActorGroup:
                         continue
                 agent = self._spawn(index)
                 new = self._incarnations[index]
-                self._starting[index] = (new, agent.start.remote(), time.monotonic() + self._config.startup_timeout_s)
+                self._starting[index] = (
+                    new,
+                    agent.start.remote(token=self.control),
+                    time.monotonic() + self._config.startup_timeout_s,
+                )
                 self.respawns.append((index, new))
                 self._expect(index, new)
                 self._log.warning("agent_respawned", slice=index, incarnation=new, dead_incarnation=incarnation)
@@ -409,7 +441,8 @@ class ActorGroup:
                     self._log.warning("agent_respawn_failed", slice=index, incarnation=incarnation, error=error)
 
     def agent(self, index: int) -> Any:
-        return self._agents[index]
+        """Slice ``index``'s agent, its calls carrying the job's control credential (``.handle``: the actor's)."""
+        return Credentialed(self._agents[index], self.control)
 
     def kill_supervisor(self, *, no_restart: bool = True) -> None:
         """Kill the supervisor's process (``no_restart=False``: Ray starts it again, and it replays its log)."""
@@ -443,7 +476,9 @@ class ActorGroup:
         with self._lock:  # a respawner still running past the join spawns nothing once it holds the lock
             if self.supervisor is not None:
                 close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
-            quiet = [agent.silence.remote() for agent in self._agents.values()]  # no beat into a dead supervisor
+            quiet = [
+                agent.silence.remote(token=self.control) for agent in self._agents.values()
+            ]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():
                 kill_actor(agent)
@@ -451,7 +486,7 @@ class ActorGroup:
                 kill_actor(self.supervisor.handle)
             self._agents.clear()
             self._starting.clear()
-            sweep_agents(self._config.namespace)
+            sweep_agents(self.actors)
         remove_token(self._config.job_name, self.token)
 
 

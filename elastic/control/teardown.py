@@ -12,6 +12,7 @@ from elastic.control.tokens import find_token
 from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.supervision import credential, events
+from elastic.supervision.identity import JobActors, SquatError
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
 __all__ = ["cleanup", "close_supervisor", "kill_actor", "sweep_agents"]
@@ -33,51 +34,62 @@ def cleanup(
     """
     token = find_token(job_name, token)
     namespace = ElasticConfig(job_name=job_name).namespace
+    actors = JobActors(job_name, namespace, token)
     names = [
         entry["name"]
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == namespace and not (keep_keepers and entry["name"].startswith("keeper-"))
     ]
-    _authorize_cleanup(job_name, namespace, token, names, purge_events)
-    killed = []
+    key = None if token is None else credential.derive(token, "stream")
+    proven = _authorize_cleanup(job_name, actors, key, names, purge_events)
+    killed, foreign = [], []
     for name in sorted(names, key=lambda n: (n != SUPERVISOR_NAME, n)):  # the supervisor first
         try:
-            actor = ray.get_actor(name, namespace=namespace)
-        except ValueError:  # gone meanwhile
+            actor = actors.find(name)  # the job's own actor, its ID checked before anything is sent to it
+        except SquatError:
+            foreign.append(name)  # not the job's: neither called nor killed
+            continue
+        if actor is None:  # gone meanwhile
             continue
         if name == SUPERVISOR_NAME:
             close_supervisor(actor, job_name, token)
         ray.kill(actor, no_restart=True)
         killed.append(name)
+    log = get_logger("elastic.control.teardown", job=job_name)
+    if foreign:
+        log.warning("foreign_actors_left", names=foreign)
     if purge_events:
-        events.delete(job_name)
+        kept = events.delete_runs(job_name, proven)
+        if kept:
+            log.warning("unproven_runs_kept", runs=kept)
     return sorted(killed)
 
 
-def _authorize_cleanup(job_name: str, namespace: str, token: str | None, names: list[str], purge: bool) -> None:
-    """``AccessError`` unless ``token`` is job ``job_name``'s credential, as its supervisor (if alive) or its
-    event stream's signatures (if it has one) tell; a job with neither has nothing to protect."""
+def _authorize_cleanup(job_name: str, actors: JobActors, key: str | None, names: list[str], purge: bool) -> list[str]:
+    """The runs of the job's stream whose own ``run_started`` (writer ``job``, the first record its client wrote)
+    verifies under ``key``: only those a purge deletes. ``AccessError`` unless the credential is the job's, as the
+    signed record of its live supervisor (checked against the actor holding the name: nothing is sent to it) or
+    those runs tell; a job with neither has nothing to protect."""
     what = f"cleanup of job {job_name!r}"
     hint = (
-        "pass the job's --token (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
+        "pass the job's --token-file (or set ELASTIC_TOKEN); its client wrote it to $ELASTIC_HOME/tokens/<job> for "
         "its own user"
     )
+    supervisor = False
     if SUPERVISOR_NAME in names:
         try:
-            supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
-            ray.get(supervisor.run_id.remote(token=token), timeout=10)
-            return
-        except AccessError as err:
-            raise AccessError(f"{what} refused: the job's supervisor does not accept this credential; {hint}") from err
-        except Exception:  # noqa: BLE001 - a dead or hung supervisor: judged by the stream below
-            pass
-    if not names and not purge:
-        return
-    signed = [r for r in events.read(job_name, writers=["job"]) if r.get("kind") == "run_started"]
-    if not signed:
-        return  # no stream of this job: nothing of its own to protect but leftover actors
-    if token is None or not events.verify(signed, credential.derive(token, "stream"))[0]:
-        raise AccessError(f"{what} refused: no credential of this job here; {hint}")
+            supervisor = actors.find(SUPERVISOR_NAME) is not None  # its record verifies and names the holder
+        except SquatError as err:
+            raise AccessError(f"{what} {err}; {hint}") from err
+    proven: list[str] = []
+    unproven: list[str] = []
+    for run in events.runs(job_name):
+        first = [r for r in events.read(job_name, run, writers=["job"]) if r.get("seq") == 0]
+        ok = key is not None and first and first[0].get("kind") == "run_started" and events.verify(first, key)[0]
+        (proven if ok else unproven).append(run)
+    if supervisor or proven or not (names or (purge and unproven)):
+        return proven
+    raise AccessError(f"{what} refused: no credential of this job here; {hint}")
 
 
 def close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
@@ -88,16 +100,17 @@ def close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_
         get_logger("elastic.control.teardown", job=job_name).warning("supervisor_close_failed", error=repr(err))
 
 
-def sweep_agents(namespace: str) -> None:
-    """Kill every ``agent-*`` actor left in ``namespace``."""
+def sweep_agents(actors: JobActors) -> None:
+    """Kill every ``agent-*`` actor of the job left in its namespace (the job's own only: checked by ID)."""
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != namespace or not entry["name"].startswith("agent-"):
+        if entry["namespace"] != actors.namespace or not entry["name"].startswith("agent-"):
             continue
         try:
-            actor = ray.get_actor(entry["name"], namespace=namespace)
-        except ValueError:  # gone meanwhile
+            actor = actors.find(entry["name"])
+        except SquatError:  # not the job's: left alone
             continue
-        kill_actor(actor)
+        if actor is not None:
+            kill_actor(actor)
 
 
 def kill_actor(actor: Any) -> None:

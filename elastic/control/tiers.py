@@ -73,7 +73,9 @@ class TierSet:
         if tiers.keeper_every and self._keepers is None:
             from elastic.snapshot.keeper import KeeperTier, keepers_for
             from elastic.supervision.credential import derive
+            from elastic.supervision.identity import JobActors
 
+            actors = JobActors(self._config.job_name, self._config.namespace, token)
             self._keepers = KeeperTier(
                 self._config.namespace,
                 num_keepers=keepers_for(tiers.keepers),
@@ -81,6 +83,8 @@ class TierSet:
                 credential=None if token is None else derive(token, "keeper"),
                 image_key=None if token is None else derive(token, "image"),
                 on_refused=self._refused,
+                adopt=actors.find,  # a crashed client's keepers, checked by ID; a squatter's name is refused
+                created=actors.record,
             )
             self._keepers.start(wait=wait)
         if tiers.persistent_dir is not None and self._persistent is None:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["register"]
+__all__ = ["add_credential", "register"]
 
 FOLLOW_POLL_S = 0.5
 
@@ -157,6 +157,7 @@ def _inject(args: argparse.Namespace) -> int:
     from elastic.control.cluster import connect
     from elastic.control.tokens import find_token
     from elastic.errors import ConfigError
+    from elastic.supervision.identity import JobActors
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
     if not args.yes and not sys.stdin.isatty():
@@ -170,7 +171,7 @@ def _inject(args: argparse.Namespace) -> int:
     if token is None:
         raise ConfigError(
             f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
-            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
         )
     if not args.yes:
         try:
@@ -182,10 +183,10 @@ def _inject(args: argparse.Namespace) -> int:
             return 1
     connect()
     namespace = ElasticConfig(job_name=args.job).namespace
-    try:
-        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
-    except ValueError as err:
-        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
+    # The job's supervisor only: its ID checked against the job's signed record before the token goes to it
+    supervisor = JobActors(args.job, namespace, token).find(SUPERVISOR_NAME)
+    if supervisor is None:
+        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})")
     out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
     print(
         json.dumps({"job": args.job, **out})
@@ -196,13 +197,42 @@ def _inject(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
+def _read_token_file(path: str) -> str:
+    """``--token-file``: the credential in a file (never on the command line, which every process of the machine
+    can read in /proc/<pid>/cmdline)."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read the credential from {path!r}: {err.strerror}") from err
+    if not token:
+        raise argparse.ArgumentTypeError(f"{path!r} holds no credential")
+    return token
+
+
+def _no_token_on_the_command_line(_: str) -> str:
+    raise argparse.ArgumentTypeError(
+        "a credential on the command line is readable by every process of the machine (/proc/<pid>/cmdline): "
+        "pass --token-file PATH, or set ELASTIC_TOKEN"
+    )
+
+
+def add_credential(p: argparse.ArgumentParser) -> None:
+    """``--token-file PATH`` (the job's credential; ``args.token``); ``--token`` is refused with what to use."""
     p.add_argument(
-        "--token",
-        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote for "
+        "--token-file",
+        dest="token",
+        type=_read_token_file,
+        metavar="PATH",
+        help="a file holding the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote for "
         "this user under $ELASTIC_HOME/tokens)",
     )
+    p.add_argument("--token", dest="token", type=_no_token_on_the_command_line, help=argparse.SUPPRESS)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
+    add_credential(p)
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     p.add_argument("--run", help="a run of the job (default: its newest)")
     p.add_argument("--dir", help="read a run record directory instead of the cluster")
@@ -238,11 +268,7 @@ def register(sub: Any) -> None:
     )
     inject.add_argument("--slice", type=int, required=True)
     inject.add_argument("--job", "--job-name", dest="job", default="demo", help="the job's name (default: demo)")
-    inject.add_argument(
-        "--token",
-        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
-        "for this user under $ELASTIC_HOME/tokens)",
-    )
+    add_credential(inject)
     inject.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     inject.add_argument("--json", action="store_true")
     inject.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")

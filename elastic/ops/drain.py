@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any
 
+from elastic.ops.commands import add_credential
+
 __all__ = ["parse_deadline", "register"]
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -37,6 +39,7 @@ def _drain(args: argparse.Namespace) -> int:
     from elastic.control.cluster import connect
     from elastic.control.tokens import find_token
     from elastic.errors import ConfigError, ElasticError
+    from elastic.supervision.identity import JobActors
     from elastic.supervision.notices import make_notice
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
@@ -47,14 +50,14 @@ def _drain(args: argparse.Namespace) -> int:
     if token is None:
         raise ConfigError(
             f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
-            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
         )
     connect()
     namespace = ElasticConfig(job_name=args.job).namespace
-    try:
-        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=namespace)
-    except ValueError as err:
-        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})") from err
+    # The job's supervisor only: its ID checked against the job's signed record before the token goes to it
+    supervisor = JobActors(args.job, namespace, token).find(SUPERVISOR_NAME)
+    if supervisor is None:
+        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})")
     try:
         view: Any = ray.get(supervisor.notice.remote(notice, token=token), timeout=30)
     except ray.exceptions.RayTaskError as err:  # the supervisor's refusal: its own one line
@@ -91,11 +94,7 @@ def register(sub: Any) -> None:
     drain.add_argument("--slice", type=int, required=True, help="the slice that will go")
     drain.add_argument("--deadline", default="30s", help="when it goes, from now: 30s, 2m, 1h (default: 30s)")
     drain.add_argument("--reason", default="operator drain", help="why it goes (written to the job's events)")
-    drain.add_argument(
-        "--token",
-        help="the job's credential (default: $ELASTIC_TOKEN, or the file its client wrote "
-        "for this user under $ELASTIC_HOME/tokens)",
-    )
+    add_credential(drain)
     drain.add_argument("--json", action="store_true")
     drain.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     drain.set_defaults(func=_drain)

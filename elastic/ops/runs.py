@@ -68,7 +68,16 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None, 
         if token is None:
             raise AccessError(
                 f"no credential for job {job!r} here: run this as the job's user on its client machine "
-                "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token (or set ELASTIC_TOKEN)"
+                "(its client wrote $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
+            )
+        from elastic.config import ElasticConfig
+        from elastic.supervision.identity import JobActors
+        from elastic.supervision.supervisor import SUPERVISOR_NAME
+
+        if JobActors(job, ElasticConfig(job_name=job).namespace, token).is_mine(SUPERVISOR_NAME) is False:
+            raise AccessError(  # the name is another's: say so (nothing is sent to it; the stream is read alone)
+                f"refused: the actor holding job {job!r}'s supervisor name was not created by the job under this "
+                "credential (a squatter's, or another job's): it was not called; check the credential, or remove it"
             )
         key = derive(token, "stream")
         records, forged = events.verify(events.read(job, run), key)

@@ -33,12 +33,14 @@ class GroupTiers:
         keepers: bool,
         keeper_credential: str | None,
         log: Any,
+        identity_key: str | None = None,
     ) -> None:
         self._config = config
         self._holdings = holdings
         self._slice = slice_index
         self._with_keepers = keepers
         self._keeper_credential = keeper_credential
+        self._identity_key = identity_key
         self._log = log
         self._keepers: Any = None
         self.persistent: Any = None  # the group's Orbax tier, while it has one
@@ -52,8 +54,18 @@ class GroupTiers:
             return None
         if self._keepers is None:
             from elastic.snapshot.keeper import KeeperTier
+            from elastic.supervision.identity import SquatError, find
 
-            self._keepers = KeeperTier.attach(self._config.namespace, credential=self._keeper_credential)
+            cfg = self._config
+
+            def adopt(name: str) -> Any:  # the job's own keeper only, by its recorded ID; another's is skipped
+                try:
+                    return find(cfg.job_name, name, cfg.namespace, self._identity_key)
+                except SquatError as err:
+                    self._log.warning("keeper_not_the_jobs", keeper=name, error=str(err))
+                    return None
+
+            self._keepers = KeeperTier.attach(cfg.namespace, adopt=adopt, credential=self._keeper_credential)
         return self._keepers
 
     def begin(self, members: tuple[int, ...], peers: dict[int, Any], mesh: Any, state: Any) -> None:

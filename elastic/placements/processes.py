@@ -105,13 +105,15 @@ class WorkerProcesses:
                     "the job starts"
                 )
 
-    def __call__(self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any]) -> Any:
+    def __call__(
+        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
+    ) -> Any:
         if workers_start_niced():  # its imports too start at an ordinary priority, without any right to raise it
             options = {**options, "runtime_env": NORMAL_PRIORITY}
         return (
             ray.remote(SliceWorker)
             .options(**self.actor_options(), **options, max_concurrency=16)
-            .remote(index, incarnation, supervisor, self._spec, self.env())
+            .remote(index, incarnation, supervisor, self._spec, self.env(), control)
         )
 
 
@@ -677,7 +679,7 @@ class ProcessPlacement:
         handle = self._handles.get(s)
         if handle is not None:
             try:
-                ray.kill(handle, no_restart=True)
+                ray.kill(getattr(handle, "handle", handle), no_restart=True)  # a Credentialed handle's actor
             except Exception:  # noqa: BLE001 - already gone
                 pass
         pid = self._pids.get(s)

@@ -41,6 +41,8 @@ from elastic.placements.group_tiers import GroupTiers
 from elastic.placements.holdings import Holdings
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
 from elastic.runtime import distributed
+from elastic.snapshot.gated import gated_actor
+from elastic.supervision.agent import check_control
 from elastic.supervision.membership import View
 
 __all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
@@ -79,6 +81,7 @@ class WorkerSpec:
     cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
     keepers: bool = False  # the job keeps keeper actors (in its namespace)
     keeper_credential: str | None = None  # what the job's keepers answer (elastic.supervision.credential "keeper")
+    identity_key: str | None = None  # checks the job's record of each keeper's actor ID (elastic.supervision.identity)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +107,18 @@ class GroupPlan:
     meta_hint: dict[str, Any] = field(default_factory=dict)
 
 
+@gated_actor  # private methods unreachable through Ray; each public one takes the control credential
 class SliceWorker:
     """One slice's process. Wrapped by the placement with ``ray.remote(max_concurrency=...)``."""
 
     def __init__(
-        self, slice_index: int, incarnation: int, supervisor: Any, spec: WorkerSpec, env: dict[str, str] | None = None
+        self,
+        slice_index: int,
+        incarnation: int,
+        supervisor: Any,
+        spec: WorkerSpec,
+        env: dict[str, str] | None = None,
+        control: str | None = None,
     ) -> None:
         priority.normal("worker", job=spec.config.job_name, slice=slice_index)  # its threads to come inherit it
         if env:  # before this process's jax backend starts (its devices, the collective timeout)
@@ -116,6 +126,7 @@ class SliceWorker:
         self.slice = slice_index
         self.incarnation = incarnation
         self._supervisor = supervisor
+        self._control = control  # digest of the job's control credential: its agent duties answer only that
         self._spec = spec
         cfg = spec.config
         self._config = cfg
@@ -141,6 +152,7 @@ class SliceWorker:
             slice_index,
             keepers=spec.keepers,
             keeper_credential=spec.keeper_credential,
+            identity_key=spec.identity_key,
             log=self._log,
         )
         self._compile_s = 0.0
@@ -155,8 +167,9 @@ class SliceWorker:
             self._compile_s += duration
 
     # -- agent duties ---------------------------------------------------------------------------------------------
-    def start(self) -> int:
+    def start(self, token: str | None = None) -> int:
         """Register with the supervisor and start heartbeating; returns the incarnation."""
+        check_control(self._control, token, "start", self._log)
         me = ray.get_runtime_context().current_actor
         ray.get(
             self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=self._config.startup_timeout_s
@@ -179,57 +192,69 @@ class SliceWorker:
             except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
                 self._log.warning("heartbeat_failed", error=repr(err)[:200])
 
-    def lifeline(self) -> None:
+    def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's wait fails when this process dies."""
+        check_control(self._control, token, "lifeline", self._log)
         threading.Event().wait()
 
-    def alive(self, slice_index: int | None = None) -> bool:
+    def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         """Answer the supervisor's check of a silent slice: True at once while this worker works; not while it is
         silenced (a hung host answers nothing)."""
+        check_control(self._control, token, "alive", self._log)
         while self._silent.is_set() and not self._stop_beats.is_set():
             time.sleep(0.1)
         return True
 
-    def silence(self) -> None:
+    def silence(self, token: str | None = None) -> None:
         """Stop heartbeating while the process lives on (as a hung agent would; the job's close silences it)."""
+        check_control(self._control, token, "silence", self._log)
         self._silent.set()
 
-    def stop_process(self) -> None:
+    def stop_process(self, token: str | None = None) -> None:
         """A hung host (``elastic inject --fault stop``): the whole process stops (SIGSTOP), heartbeats included."""
+        check_control(self._control, token, "stop_process", self._log)
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
 
-    def stall(self, seconds: float) -> float:
+    def stall(self, seconds: float, token: str | None = None) -> float:
         """No heartbeat goes out for ``seconds`` (a long pause of the host), then beating resumes."""
+        check_control(self._control, token, "stall", self._log)
         self._silent.set()
         time.sleep(seconds)
         self._silent.clear()
         return time.time()
 
     # -- what the driver and the peers ask --------------------------------------------------------------------------
-    def where(self) -> tuple[int, str]:
+    def where(self, token: str | None = None) -> tuple[int, str]:
         """This worker's process id and Ray node id."""
+        check_control(self._control, token, "where", self._log)
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
-    def ping(self) -> int:
+    def ping(self, token: str | None = None) -> int:
+        check_control(self._control, token, "ping", self._log)
         return os.getpid()
 
-    def held(self, wait: bool = True) -> dict[int, dict[str, Any]]:
+    def held(self, wait: bool = True, token: str | None = None) -> dict[int, dict[str, Any]]:
         """What this worker holds (see :meth:`Holdings.held`); ``wait``: for the snapshot being copied."""
+        check_control(self._control, token, "held", self._log)
         return self._holdings.held(60.0 if wait else 0.0)
 
-    def pieces(self, step: int, leaf: int, index: Any) -> list[tuple[Any, Any]]:
+    def pieces(self, step: int, leaf: int, index: Any, token: str | None = None) -> list[tuple[Any, Any]]:
         """What this worker holds of region ``index`` of leaf ``leaf`` at ``step`` (pieces cut to it)."""
+        check_control(self._control, token, "pieces", self._log)
         return self._holdings.overlapping(step, leaf, tuple(tuple(b) for b in index))
 
-    def meta(self, step: int) -> dict[str, Any] | None:
+    def meta(self, step: int, token: str | None = None) -> dict[str, Any] | None:
+        check_control(self._control, token, "meta", self._log)
         return self._holdings.meta(step)
 
-    def hold(self, slice_index: int, image: Any) -> None:
+    def hold(self, slice_index: int, image: Any, token: str | None = None) -> None:
+        check_control(self._control, token, "hold", self._log)
         self._holdings.hold(slice_index, image)
 
-    def progress(self, since: int = 0) -> dict[str, Any]:
+    def progress(self, since: int = 0, token: str | None = None) -> dict[str, Any]:
         """The pass's progress: the next step, and the commits from index ``since`` on (step, batch, metrics as
         numbers), with the jitted calls recorded for standby compiles once there are some."""
+        check_control(self._control, token, "progress", self._log)
         self._polled = time.monotonic()
         commits = [(s, b, _numbers(m)) for s, b, m in self._commits[since:]]
         return {
@@ -241,19 +266,22 @@ class SliceWorker:
             "snapshots": self._holdings.stats(),
         }
 
-    def renew(self) -> None:
+    def renew(self, token: str | None = None) -> None:
         """The driver is alive (its lease on this worker's pass; see ``DRIVER_LEASE_S``)."""
+        check_control(self._control, token, "renew", self._log)
         self._polled = time.monotonic()
 
-    def request_stop(self, epoch: int, step: int, view: View) -> bool:
+    def request_stop(self, epoch: int, step: int, view: View, token: str | None = None) -> bool:
         """Stop group ``epoch`` before ``step`` (a step boundary), for ``view``. False if this worker is past it."""
+        check_control(self._control, token, "request_stop", self._log)
         with self._lock:
             self._stop_at[epoch] = (step, view)
             return not (self._epoch == epoch and self._next_step > step)
 
-    def abort(self, epoch: int) -> bool:
+    def abort(self, epoch: int, token: str | None = None) -> bool:
         """End group ``epoch``'s pass now (a member was lost): ``run_pass`` returns ``failed`` at once, and the
         pass's thread records nothing more. False if this worker is not in that group's pass."""
+        check_control(self._control, token, "abort", self._log)
         with self._lock:
             if self._epoch != epoch or self._ended is None or self._ended.is_set():
                 return False
@@ -262,8 +290,9 @@ class SliceWorker:
             return True
 
     # -- a group -----------------------------------------------------------------------------------------------------
-    def prepare(self, plan: GroupPlan) -> dict[str, Any]:
+    def prepare(self, plan: GroupPlan, token: str | None = None) -> dict[str, Any]:
         """Join group ``plan.epoch`` (leaving the previous one), build its mesh and put the state on it."""
+        check_control(self._control, token, "prepare", self._log)
         start = time.monotonic()
         phases: dict[str, float] = {}
         self._holdings.end(keep_in_flight=plan.live)  # restoring an older step: the copy in flight is not wanted
@@ -463,8 +492,9 @@ class SliceWorker:
         self._tiers.save(next_step, state, meta)
 
     # -- one pass of the loop ------------------------------------------------------------------------------------------
-    def run_pass(self, plan: GroupPlan) -> dict[str, Any]:
+    def run_pass(self, plan: GroupPlan, token: str | None = None) -> dict[str, Any]:
         """Run the user's loop over the prepared group; returns how the pass ended and its commits."""
+        check_control(self._control, token, "run_pass", self._log)
         assert self._prepared is not None, "run_pass before prepare"
         with self._lock:
             self._aborted = aborted = threading.Event()  # this pass's: an abandoned thread keeps seeing its own
@@ -615,9 +645,10 @@ class SliceWorker:
             self._log.info("standby_record_skipped", error=repr(err)[:200])
 
     # -- the end ------------------------------------------------------------------------------------------------------
-    def final_pieces(self) -> dict[str, Any]:
+    def final_pieces(self, token: str | None = None) -> dict[str, Any]:
         """This worker's pieces of the final state (its own regions, host arrays) per leaf, and the state's layout
         (typed keys as their key data)."""
+        check_control(self._control, token, "final_pieces", self._log)
         state = getattr(self, "_final", None)
         if state is None:
             return {"layout": [], "pieces": []}
@@ -636,16 +667,18 @@ class SliceWorker:
             out.append(list(seen.items()))
         return {"layout": layout_of(leaves), "pieces": out}
 
-    def save_final(self, path: str) -> None:
+    def save_final(self, path: str, token: str | None = None) -> None:
         """Write the final state to ``path`` with Orbax (every worker its own shards)."""
+        check_control(self._control, token, "save_final", self._log)
         from etils import epath
 
         from elastic.api import orbax_io
 
         orbax_io.save_final(epath.Path(path), self._final)
 
-    def leave(self) -> float:
+    def leave(self, token: str | None = None) -> float:
         """Leave the group (the job ends): snapshots closed, the runtime torn down. Seconds it took."""
+        check_control(self._control, token, "leave", self._log)
         self._holdings.end()
         self._tiers.close()
         self._prepared = self._final = None

@@ -4,6 +4,11 @@ On a real cluster an agent is placed on its slice's host, so a host loss kills i
 notices at once (its lifeline call fails); a hung host stops its heartbeats. The job runs one
 :class:`SliceAgent` per slice; a :class:`SliceGroupAgent` holds many slices (e.g. every slice of one
 host) and sends one heartbeat call per interval for all of them.
+
+Every method takes ``token=``: the job's *control* credential (:func:`~elastic.supervision.credential.derive`
+``"control"``), held by the job's client and supervisor; an agent keeps its digest (``control``, given at
+creation; None: an open agent, for tests) and refuses any other call with :class:`~elastic.errors.AccessError`.
+Its private methods are unreachable through Ray (:func:`~elastic.snapshot.gated.gated_actor`).
 """
 
 from __future__ import annotations
@@ -16,13 +21,25 @@ import ray
 
 from elastic import priority
 from elastic.config import NoticeSources
+from elastic.errors import AccessError
 from elastic.log import get_logger
+from elastic.snapshot.gated import gated_actor
+from elastic.supervision import credential
 from elastic.supervision.maintenance import MaintenanceListener
 
-__all__ = ["SliceAgent", "SliceGroupAgent"]
+__all__ = ["SliceAgent", "SliceGroupAgent", "check_control"]
+
+
+def check_control(control: str | None, token: object, method: str, log: Any) -> None:
+    """``AccessError`` unless ``token`` is the job's control credential (``control``: its digest; None: open)."""
+    if control is None or credential.check(token, control):
+        return
+    log.warning("agent_call_refused", method=method)
+    raise AccessError(f"agent {method} refused: the call does not carry this job's control credential")
 
 
 @ray.remote(num_cpus=0)
+@gated_actor
 class SliceAgent:
     def __init__(
         self,
@@ -32,8 +49,10 @@ class SliceAgent:
         interval_s: float,
         job: str,
         sources: NoticeSources | None = None,
+        control: str | None = None,
     ) -> None:
         priority.normal("agent", job=job, slice=slice_index)  # a late heartbeat is a false alarm
+        self._control = control  # digest of the job's control credential
         self._slice = slice_index
         self._incarnation = incarnation
         self._supervisor = supervisor
@@ -46,9 +65,10 @@ class SliceAgent:
         if sources is not None and sources.metadata_url is not None:
             self._listener = MaintenanceListener(sources, slice_index, job, self._give_notice)
 
-    async def start(self) -> int:
+    async def start(self, token: str | None = None) -> int:
         """Register with the supervisor and start heartbeating (and listening to the host's metadata server, where
         configured); returns the incarnation."""
+        check_control(self._control, token, "start", self._log)
         await self._supervisor.register.remote(self._slice, self._incarnation, ray.get_runtime_context().current_actor)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._beat())
@@ -75,38 +95,47 @@ class SliceAgent:
                     self._log.warning("heartbeat_failed", error=repr(err))
             await asyncio.sleep(self._interval_s)
 
-    async def lifeline(self) -> None:
+    async def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's await fails when this actor dies."""
+        check_control(self._control, token, "lifeline", self._log)
         await asyncio.Event().wait()
 
-    async def alive(self, slice_index: int | None = None) -> bool:
+    async def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         """Answer the supervisor's check of a silent slice: True at once while this agent works, never while it
         is silenced (a hung host answers nothing)."""
+        check_control(self._control, token, "alive", self._log)
         if self._silent:
             await asyncio.Event().wait()
         return True
 
-    async def silence(self) -> None:
+    async def silence(self, token: str | None = None) -> None:
         """Stop heartbeating while staying alive (a hung host, for fault injection)."""
+        check_control(self._control, token, "silence", self._log)
         self._silent = True
 
-    async def stop_process(self) -> None:
+    async def stop_process(self, token: str | None = None) -> None:
         """A hung host for real: this actor's process stops (SIGSTOP) a moment after answering."""
+        check_control(self._control, token, "stop_process", self._log)
         _stop_soon()
 
-    async def stall(self, seconds: float) -> float:
+    async def stall(self, seconds: float, token: str | None = None) -> float:
         """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): no
         heartbeat goes out meanwhile, then beating resumes. Returns the wall time it resumed."""
+        check_control(self._control, token, "stall", self._log)
         return _stall(seconds)
 
 
 @ray.remote(num_cpus=0)
+@gated_actor
 class SliceGroupAgent:
     """One agent for many slices: one registration, one heartbeat call per interval and one lifeline for
     all of them, so its death loses every slice it holds. ``slices`` maps each slice to its incarnation."""
 
-    def __init__(self, slices: dict[int, int], supervisor: Any, interval_s: float, job: str) -> None:
+    def __init__(
+        self, slices: dict[int, int], supervisor: Any, interval_s: float, job: str, control: str | None = None
+    ) -> None:
         priority.normal("agent", job=job, slices=len(slices))
+        self._control = control  # digest of the job's control credential
         self._slices = dict(slices)
         self._supervisor = supervisor
         self._interval_s = interval_s
@@ -114,8 +143,9 @@ class SliceGroupAgent:
         self._task: asyncio.Task | None = None
         self._log = get_logger("elastic.supervision.agent", job=job, slices=len(self._slices))
 
-    async def start(self) -> list[int]:
+    async def start(self, token: str | None = None) -> list[int]:
         """Register every slice with the supervisor and start heartbeating; returns the slices."""
+        check_control(self._control, token, "start", self._log)
         await self._register(sorted(self._slices))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._beat())
@@ -137,26 +167,30 @@ class SliceGroupAgent:
                     self._log.warning("heartbeat_failed", error=repr(err))
             await asyncio.sleep(self._interval_s)
 
-    async def lifeline(self) -> None:
+    async def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's await fails when this actor dies."""
+        check_control(self._control, token, "lifeline", self._log)
         await asyncio.Event().wait()
 
-    async def alive(self, slice_index: int | None = None) -> bool:
+    async def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         """Answer the supervisor's check of a silent slice: True at once while this agent works, never for a
         silenced slice (a hung host answers nothing)."""
+        check_control(self._control, token, "alive", self._log)
         if slice_index in self._silent or (slice_index is None and self._silent):
             await asyncio.Event().wait()
         return True
 
-    async def silence(self, slices: list[int] | None = None) -> float:
+    async def silence(self, slices: list[int] | None = None, token: str | None = None) -> float:
         """Stop heartbeating for ``slices`` (all by default) while staying alive, as hung hosts would
         (for fault injection); returns the wall time from which they are silent."""
+        check_control(self._control, token, "silence", self._log)
         self._silent.update(self._slices if slices is None else slices)
         return time.time()
 
-    async def stall(self, seconds: float) -> float:
+    async def stall(self, seconds: float, token: str | None = None) -> float:
         """Block this agent's event loop for ``seconds`` (a GC pause, a stalled host; for fault injection): none
         of its slices heartbeats meanwhile, then beating resumes. Returns the wall time it resumed."""
+        check_control(self._control, token, "stall", self._log)
         return _stall(seconds)
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "EventStream",
     "current_run",
     "delete",
+    "delete_runs",
     "dump",
     "load",
     "new_run",
@@ -251,6 +252,16 @@ def parse(value: bytes | str) -> dict[str, Any] | None:
 
 def _order(record: dict[str, Any]) -> tuple[float, str, int]:
     return (record["wall"], record["writer"], record["seq"])
+
+
+def delete_runs(job: str, which: Iterable[str]) -> list[str]:
+    """Remove the records of ``job``'s runs ``which``; the runs left (``<job>/current`` goes with the last)."""
+    for run in which:
+        kv._internal_kv_del(_key(job, run, ""), del_by_prefix=True, namespace=NAMESPACE)
+    left = runs(job)
+    if not left:
+        kv._internal_kv_del(_key(job, "current"), namespace=NAMESPACE)
+    return left
 
 
 def delete(job: str) -> int:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -44,9 +43,11 @@ from typing import Any
 import ray
 
 from elastic import priority
-from elastic.errors import AccessError, NoticeError, SupervisorError
+from elastic.errors import NoticeError, SupervisorError
 from elastic.log import get_logger
+from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
+from elastic.supervision.access import Gate
 from elastic.supervision.drains import DrainWatcher
 from elastic.supervision.events import EventStream
 from elastic.supervision.membership import HealthEvent, View
@@ -61,6 +62,7 @@ _CLIENT_REPORT = "client report: "  # the cause of a health event from the clien
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+@gated_actor  # private methods unreachable through Ray; each public one takes token=
 class Supervisor:
     def __init__(
         self, job: str, policy: Policy, heartbeat_timeout_s: float, tick_s: float, run: str, token: str | None = None
@@ -72,10 +74,10 @@ class Supervisor:
         self._tick_s = tick_s
         self._run = run
         # Only digests of the job's credentials are kept (None: an open supervisor, for tests and benchmarks): every
-        # call needs the job token, registrations and heartbeats take the agents' credential too.
-        self._token_digest = credential.digest(token) if token is not None else None
-        self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
-        self._refusals: dict[str, tuple[int, float]] = {}  # command -> (refusals written, when the last was)
+        # call needs the job token, registrations and heartbeats take the agents' credential too. The agents answer
+        # the derived control credential only (silence, stop, liveness), which is all this actor holds of it.
+        self._gate = Gate(job, run, token)
+        self._control = credential.derive(token, "control") if token is not None else None
         self._stream = EventStream(
             job, run, "supervisor", key=credential.derive(token, "stream") if token is not None else None
         )
@@ -308,23 +310,9 @@ class Supervisor:
         return unknown
 
     def _authorize(self, token: str | None, command: str, *, agents: bool = False) -> None:
-        """``AccessError`` unless ``token`` is this job's credential (``agents``: or its agents' credential). A call
-        from another job, or from an operator without the job's credential, is refused and written to the stream
-        (past ten of a command, once a second at most)."""
-        if self._token_digest is None:
-            return
-        if credential.check(token, self._token_digest, self._agent_digest if agents else None):
-            return
-        now = time.monotonic()
-        written, last = self._refusals.get(command, (0, -math.inf))
-        if written < 10 or now - last >= 1.0:  # a flood of refused calls writes one record a second
-            self._refusals[command] = (written + 1, now)
-            self._append({"kind": "refused_command", "command": command})
-            self._log.warning("command_refused", command=command)
-        raise AccessError(
-            f"{command} refused: it does not carry job {self._job!r}'s credential (only the job's own "
-            "client, its agents, or an operator holding its token may call it)"
-        )
+        """``AccessError`` unless ``token`` is this job's credential (``agents``: or its agents' credential); a refusal
+        is written to the stream, bounded (:class:`~elastic.supervision.access.Gate`)."""
+        self._gate.check(token, command, agents=agents, epoch=self._view.epoch)
 
     async def report_lost(
         self,
@@ -375,7 +363,7 @@ class Supervisor:
     async def _watch(self, slices: list[tuple[int, int]], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
         try:
-            await agent.lifeline.remote()
+            await agent.lifeline.remote(token=self._control)
         except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
             self._watched.difference_update(slices)
             lost = [(s, incarnation) for s, incarnation in slices if self._incarnations.get(s) == incarnation]
@@ -436,7 +424,7 @@ class Supervisor:
         answered = False
         try:
             if agent is not None:
-                answered = bool(await asyncio.wait_for(agent.alive.remote(s), bound))
+                answered = bool(await asyncio.wait_for(agent.alive.remote(s, token=self._control), bound))
         except Exception:  # noqa: BLE001 - no answer in time, or the agent is gone: it is silent for real
             answered = False
         finally:
@@ -540,7 +528,7 @@ class Supervisor:
         multi-process mode the slice's worker; the slice is dropped at once), ``silence`` stops its heartbeats, ``stop``
         stops its process (SIGSTOP: a hung host; both dropped after ``heartbeat_timeout_s``). Written to the stream;
         returns what was done."""
-        self._authorize(token, f"inject {kind}")
+        self._authorize(token, "inject")
         if kind not in ("kill", "silence", "stop"):
             raise SupervisorError(f"inject: unknown fault {kind!r}; choose kill, silence or stop")
         incarnation = self._newest.get(slice_index)
@@ -549,14 +537,16 @@ class Supervisor:
                 f"inject: slice {slice_index} has no live agent (active: {sorted(self._view.active)})"
             )
         name = f"agent-{slice_index}-{incarnation}"
-        agent = ray.get_actor(name, namespace=f"elastic-{self._job}")
+        agent = self._agents.get(slice_index)  # the handle it registered with: never one found by its name
+        if agent is None:
+            raise SupervisorError(f"inject: slice {slice_index}'s agent {name} is not registered here")
         self._append({"kind": "inject", "fault": kind, "slice": slice_index, "incarnation": incarnation})
         if kind == "kill":
             ray.kill(agent, no_restart=True)
         elif kind == "stop":
-            agent.stop_process.remote()
+            agent.stop_process.remote(token=self._control)
         else:
-            agent.silence.remote()
+            agent.silence.remote(token=self._control)
         return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
 
     async def notice(self, notice: Notice, token: str | None = None) -> View:

@@ -19,14 +19,16 @@ N = 24
 
 
 @pytest.mark.timeout(120)
-def test_elastic_drain_leaves_the_slice_and_refuses_what_it_cannot_take(ray_local, monkeypatch, capsys):
+def test_elastic_drain_leaves_the_slice_and_refuses_what_it_cannot_take(ray_local, monkeypatch, capsys, tmp_path):
     outcome: dict[str, object] = {}
+    other = tmp_path / "other-token"
+    other.write_text("x")  # a credential for the unknown job (never on the command line)
 
     def operator() -> None:
         # refused first (the job unharmed), then taken: each a separate `elastic drain` as an operator runs it
         capsys.readouterr()  # the job's own log lines so far
         for name, argv in (
-            ("unknown_job", ["drain", "--job", "no-such-job", "--slice", "1", "--token", "x"]),
+            ("unknown_job", ["drain", "--job", "no-such-job", "--slice", "1", "--token-file", str(other)]),
             ("unknown_slice", ["drain", "--job", "drain-cli", "--slice", "7"]),
             ("past", ["drain", "--job", "drain-cli", "--slice", "1", "--deadline=-5s"]),
             ("bad_deadline", ["drain", "--job", "drain-cli", "--slice", "1", "--deadline", "soon"]),

@@ -150,7 +150,9 @@ def test_tier_pushes_coalesces_rolls_back_and_skips_a_corrupt_keeper(ray_local, 
         ray.get(tier.handles()["keeper-0"].put.remote(corrupted(make_image(9))), timeout=30)
         assert_same(tier.latest(), rolled)  # keeper-0's step 9 fails its checksum: keeper-1's step 6 wins
 
-        thin = KeeperTier.attach(namespace, every=2)  # a second client of the same keepers
+        thin = KeeperTier.attach(
+            namespace, adopt=lambda n: ray.get_actor(n, namespace=namespace), every=2
+        )  # a second client of the same keepers
         assert thin is not None
         try:
             sent = [thin.push(make_image(step)) for step in (10, 11, 12, 13)] + [thin.push(make_image(11, seed=3))]
@@ -217,7 +219,7 @@ def test_images_outlive_a_sigkilled_client_and_restore_onto_a_mesh(ray_local):
         text=True,
         timeout=120,
     )
-    tier = KeeperTier.attach(namespace)
+    tier = KeeperTier.attach(namespace, adopt=lambda n: ray.get_actor(n, namespace=namespace))
     try:
         assert proc.returncode == -signal.SIGKILL and "pushed" in proc.stdout, proc.stderr[-3000:]
         assert tier is not None and sorted(tier.handles()) == ["keeper-0", "keeper-1"]

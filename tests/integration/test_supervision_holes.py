@@ -407,12 +407,12 @@ class LateAgent:
             await asyncio.sleep(self.late_s)
             await self.supervisor.heartbeat.remote(self.slice, 0)
 
-    async def lifeline(self) -> None:
+    async def lifeline(self, token: str | None = None) -> None:
         import asyncio
 
         await asyncio.Event().wait()
 
-    async def alive(self, slice_index: int | None = None) -> bool:
+    async def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         return True
 
 

@@ -115,13 +115,18 @@ def test_status_shows_no_none_and_counts_every_step():
     assert report["steps_committed"] == 200 and report["seconds"] == 10.0, report
 
 
-def test_the_same_flag_names_in_every_command():
+def test_the_same_flag_names_in_every_command(tmp_path, capsys):
     parser = build_parser()
+    secret = tmp_path / "token"
+    secret.write_text("t\n")
     for argv in (["status"], ["events"], ["report"], ["cleanup"], ["inject", "kill", "--slice", "1"]):
         for flag in ("--job", "--job-name"):
             args = parser.parse_args([*argv, flag, "abc"])
             assert args.job == "abc", argv
-        assert parser.parse_args([*argv, "--job", "a", "--token", "t", "-v"]).token == "t"
+        assert parser.parse_args([*argv, "--job", "a", "--token-file", str(secret), "-v"]).token == "t"
+        with pytest.raises(SystemExit):  # a credential on the command line is refused, with what to use
+            parser.parse_args([*argv, "--job", "a", "--token", "t"])
+        assert "--token-file" in capsys.readouterr().err
 
 
 def test_a_failure_is_one_line_and_the_traceback_comes_with_v(tmp_path, capsys, monkeypatch):

@@ -152,6 +152,7 @@ WORDS = [
     "--kind",
     "view",
     "--token",
+    "--token-file",
     "--yes",
     "-v",
     "--out",

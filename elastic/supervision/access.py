@@ -1,0 +1,66 @@
+"""The supervisor's gate: who may call which method, and how a refused call is recorded without a flood.
+
+A call carries ``token=``; :meth:`Gate.check` accepts the job's token, or for the methods open to agents their
+derived credential (only the digests are held, :mod:`elastic.supervision.credential`). A refusal raises
+:class:`~elastic.errors.AccessError` and is written to the job's stream as ``refused_command`` naming the
+*method* (a fixed name of the supervisor's, never a string the caller chose), under a writer of its own
+(``supervisor-refusals``, its own bound of kept records): refusals can never push the supervisor's replay history
+out of the stream. Bounded: ten records of a method, then one a second at most (Ray tells an actor nothing of
+its caller, so the bound is per method, which bounds every caller together); each record under
+:data:`MAX_RECORD_BYTES`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from elastic.errors import AccessError
+from elastic.log import get_logger
+from elastic.supervision import credential
+from elastic.supervision.events import EventStream
+
+__all__ = ["Gate", "MAX_RECORD_BYTES", "REFUSALS_KEPT", "REFUSALS_WRITER"]
+
+REFUSALS_WRITER = "supervisor-refusals"
+REFUSALS_KEPT = 1_000  # refusal records kept per run (older ones are deleted as new ones land)
+MAX_RECORD_BYTES = 4096
+BURST, EVERY_S = 10, 1.0  # per method: the first ten refusals written, then one per EVERY_S
+
+
+class Gate:
+    """Checks the credential of each call on one job's supervisor (``token`` None: an open gate, for tests)."""
+
+    def __init__(self, job: str, run: str, token: str | None) -> None:
+        self._job = job
+        self._token_digest = credential.digest(token) if token is not None else None
+        self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
+        key = credential.derive(token, "stream") if token is not None else None
+        self._stream = EventStream(job, run, REFUSALS_WRITER, keep=REFUSALS_KEPT, key=key)
+        self._written: dict[str, tuple[int, float]] = {}  # method -> (refusals written, when the last was)
+        self.refused = 0  # calls refused (written or not)
+        self._log = get_logger("elastic.supervision.access", job=job)
+
+    @property
+    def open(self) -> bool:
+        return self._token_digest is None
+
+    def check(self, token: Any, method: str, *, agents: bool = False, epoch: int = 0) -> None:
+        """``AccessError`` unless ``token`` is the job's credential (``agents``: or its agents'). ``method`` is the
+        supervisor's own name for the call."""
+        if self._token_digest is None:
+            return
+        if credential.check(token, self._token_digest, self._agent_digest if agents else None):
+            return
+        self.refused += 1
+        now = time.monotonic()
+        written, last = self._written.get(method, (0, -math.inf))
+        if written < BURST or now - last >= EVERY_S:
+            self._written[method] = (written + 1, now)
+            self._stream.append("refused_command", command=method[:64], epoch=epoch, refused=self.refused)
+            self._log.warning("command_refused", command=method[:64], refused=self.refused)
+        raise AccessError(
+            f"{method[:64]} refused: it does not carry job {self._job!r}'s credential (only the job's own "
+            "client, its agents, or an operator holding its token may call it)"
+        )
