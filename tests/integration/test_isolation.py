@@ -632,7 +632,7 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
             Supervisor.__ray_metadata__.modified_class,
         ),  # noqa: E501
         "agent": (
-            SliceAgent.options(name="agent-0-0", namespace=namespace).remote(0, 0, None, 0.1, job, control),
+            SliceAgent.options(name="agent-0-0", namespace=namespace).remote(0, 0, None, 0.1, job, control=control),
             SliceAgent.__ray_metadata__.modified_class,
         ),  # noqa: E501
         "group agent": (
