@@ -166,7 +166,9 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
     runs = {r.schedule.scenario: r for r in result.results}
     assert sorted(runs) == sorted(INSIDE_AND_SUPERVISOR)
     for name, r in runs.items():
-        assert r.injected == len(r.schedule.faults), (name, r.injected, r.schedule.faults)  # each fired in its phase
+        # each fired in its phase; the job may end (SupervisorLostError) before a kill drawn after the supervisor's loss
+        fired = (1, len(r.schedule.faults)) if name == "supervisor_lost" else (len(r.schedule.faults),) * 2
+        assert fired[0] <= r.injected <= fired[1], (name, r.injected, r.schedule.faults)
         assert {p.status for p in r.verdict.promises} <= {"pass", "n/a"}, (name, r.verdict)
     assert {f.phase for name in INSIDE_AND_SUPERVISOR[:3] for f in runs[name].schedule.faults} >= {
         "restore",
