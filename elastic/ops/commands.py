@@ -153,26 +153,14 @@ def _report(args: argparse.Namespace) -> int:
 def _inject(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic.config import ElasticConfig
-    from elastic.control.cluster import connect
-    from elastic.control.tokens import find_token
     from elastic.errors import ConfigError
-    from elastic.supervision.identity import JobActors
-    from elastic.supervision.supervisor import SUPERVISOR_NAME
 
     if not args.yes and not sys.stdin.isatty():
         raise ConfigError(
             f"inject asks for confirmation on a terminal and stdin is not one: pass --yes to inject "
             f"{args.fault} into slice {args.slice} of job {args.job!r} without asking"
         )
-    if not os.environ.get("RAY_ADDRESS"):
-        raise ConfigError("elastic inject acts on a running job: set RAY_ADDRESS to its cluster")
-    token = find_token(args.job, args.token)
-    if token is None:
-        raise ConfigError(
-            f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
-            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
-        )
+    token = operator_token(args, "inject")
     if not args.yes:
         try:
             answer = input(f"inject {args.fault} into slice {args.slice} of job {args.job!r}? [y/N] ")
@@ -181,12 +169,7 @@ def _inject(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("not injected", file=sys.stderr)
             return 1
-    connect()
-    namespace = ElasticConfig(job_name=args.job).namespace
-    # The job's supervisor only: its ID checked against the job's signed record before the token goes to it
-    supervisor = JobActors(args.job, namespace, token).find(SUPERVISOR_NAME)
-    if supervisor is None:
-        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})")
+    supervisor = job_supervisor(args.job, token)
     out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
     print(
         json.dumps({"job": args.job, **out})
@@ -195,6 +178,40 @@ def _inject(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def operator_token(args: argparse.Namespace, command: str) -> str:
+    """The credential of ``args.job`` for an operator's command acting on its running job (``ConfigError`` in one
+    line, saying what to set, when ``RAY_ADDRESS`` or the credential is missing)."""
+    from elastic.control.tokens import find_token
+    from elastic.errors import ConfigError
+
+    if not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError(f"elastic {command} acts on a running job: set RAY_ADDRESS to its cluster")
+    token = find_token(args.job, args.token)
+    if token is None:
+        raise ConfigError(
+            f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
+            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
+        )
+    return token
+
+
+def job_supervisor(job: str, token: str) -> Any:
+    """The job's supervisor on the cluster, its ID checked against the job's signed record before the token goes
+    to it (``ConfigError`` when the job is not running there)."""
+    from elastic.config import ElasticConfig
+    from elastic.control.cluster import connect
+    from elastic.errors import ConfigError
+    from elastic.supervision.identity import JobActors
+    from elastic.supervision.supervisor import SUPERVISOR_NAME
+
+    connect()
+    namespace = ElasticConfig(job_name=job).namespace
+    supervisor = JobActors(job, namespace, token).find(SUPERVISOR_NAME)
+    if supervisor is None:
+        raise ConfigError(f"job {job!r} is not running on this cluster (no supervisor in {namespace})")
+    return supervisor
 
 
 def _read_token_file(path: str) -> str:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from typing import Any
 
-from elastic.ops.commands import add_credential
+from elastic.ops.commands import add_credential, job_supervisor, operator_token
 
 __all__ = ["parse_deadline", "register"]
 
@@ -35,29 +34,12 @@ def parse_deadline(text: str) -> float:
 def _drain(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic.config import ElasticConfig
-    from elastic.control.cluster import connect
-    from elastic.control.tokens import find_token
-    from elastic.errors import ConfigError, ElasticError
-    from elastic.supervision.identity import JobActors
+    from elastic.errors import ElasticError
     from elastic.supervision.notices import make_notice
-    from elastic.supervision.supervisor import SUPERVISOR_NAME
 
     notice = make_notice(args.slice, parse_deadline(args.deadline), args.reason, source="operator")
-    if not os.environ.get("RAY_ADDRESS"):
-        raise ConfigError("elastic drain acts on a running job: set RAY_ADDRESS to its cluster")
-    token = find_token(args.job, args.token)
-    if token is None:
-        raise ConfigError(
-            f"no credential for job {args.job!r}: run this as the job's user on its client machine (the "
-            "client writes $ELASTIC_HOME/tokens/<job>), or pass --token-file (or set ELASTIC_TOKEN)"
-        )
-    connect()
-    namespace = ElasticConfig(job_name=args.job).namespace
-    # The job's supervisor only: its ID checked against the job's signed record before the token goes to it
-    supervisor = JobActors(args.job, namespace, token).find(SUPERVISOR_NAME)
-    if supervisor is None:
-        raise ConfigError(f"job {args.job!r} is not running on this cluster (no supervisor in {namespace})")
+    token = operator_token(args, "drain")
+    supervisor = job_supervisor(args.job, token)
     try:
         view: Any = ray.get(supervisor.notice.remote(notice, token=token), timeout=30)
     except ray.exceptions.RayTaskError as err:  # the supervisor's refusal: its own one line
