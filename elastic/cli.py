@@ -50,18 +50,24 @@ def _stdout_for_result() -> TextIO:
     return result
 
 
-_DEMO_DEFAULTS = {
+_DEMO_DEFAULTS: dict[str, dict[str, int | None]] = {
     "slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
     "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5},
+    "multi-process-drain": {"steps": 80, "kill_at": 13, "revive_at": None, "snapshot_every": 5},
 }
-_MULTI = ("multi-process", "multi-process-driver-crash")
+_MULTI = ("multi-process", "multi-process-driver-crash", "multi-process-drain")
 
 
 def _demo(args: argparse.Namespace) -> int:
     multi = args.scenario in _MULTI
-    for name, value in _DEMO_DEFAULTS["multi-process" if multi else "slice-loss"].items():
+    defaults = args.scenario if args.scenario in _DEMO_DEFAULTS else "multi-process" if multi else "slice-loss"
+    for name, value in _DEMO_DEFAULTS[defaults].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.notice_deadline is None:
+        args.notice_deadline = 10.0 if args.scenario == "multi-process-drain" else 30.0
+    if args.pace is None:
+        args.pace = 0.5 if args.scenario == "multi-process-drain" else 0.0
     if args.kill_client_at is None:
         args.kill_client_at = 21 if multi else 75
     result = _stdout_for_result()
@@ -104,6 +110,10 @@ def _demo(args: argparse.Namespace) -> int:
         )
         if args.scenario == "multi-process":
             out = run_process_demo(mp, verify=args.verify)
+        elif args.scenario == "multi-process-drain":
+            from elastic.demos.process_drain import run_process_drain_demo
+
+            out = run_process_drain_demo(mp, deadline_s=args.notice_deadline, pace_s=args.pace, verify=args.verify)
         else:
             from elastic.demos.crash import run_client_crash
 
@@ -242,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         "slice (jax.distributed), one SIGKILLed, the survivors re-form in place, a new one joins "
         "(defaults: 40 steps, killed at 13, back at 27, snapshot every 5); "
         "multi-process-driver-crash: the multi-process job's driver is SIGKILLed mid-run and a new "
-        "driver of the same job name resumes from the keepers",
+        "driver of the same job name resumes from the keepers; multi-process-drain: a worker is given notice at "
+        "--kill-at, the job leaves it at a step boundary, the worker exits 0, the slice comes back past the deadline "
+        "(defaults: 80 steps of at least --pace 0.5 s, notice at 13 with a 10 s deadline)",
     )
     demo.add_argument(
         "--kill-client-at",
@@ -266,8 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--notice-deadline",
         type=float,
-        default=30.0,
-        help="drain: seconds from the notice to the slice's death (default 30)",
+        default=None,
+        help="drain: seconds from the notice to the slice's death (default 30; multi-process-drain: 10)",
+    )
+    demo.add_argument(
+        "--pace", type=float, default=None, help="multi-process-drain: the least seconds a step takes (default 0.5)"
     )
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument(

@@ -368,9 +368,8 @@ class ElasticJob:
         counted; past the deadline, or if they die first, the failure path takes over. Callable from any thread
         while ``run`` runs (a timer, a signal handler's thread, a scheduler's callback). Returns the notice taken.
         ``NoticeError`` (one line; the job unharmed) for a slice the job does not hold, a deadline already past, or
-        a job not started. Single-process mode."""
-        if self._multi:
-            raise NoticeError("notice: multi-process mode does not take notices yet; a slice that goes is a failure")
+        a job not started. Both modes: in multi-process mode the leaving slice's worker process ends (exit code 0)
+        once the rest have re-formed."""
         notice = make_notice(slices, deadline_s, reason, source)
         if self._group is None:
             raise NoticeError("notice refused: the job is not started (call it while job.run runs)")

@@ -23,7 +23,7 @@ import ray
 from elastic import runtime
 from elastic.demos.demo import DemoSpec, make_trainer, max_abs_diff
 
-__all__ = ["run_drain_demo"]
+__all__ = ["notice_times", "run_drain_demo"]
 
 BOUND_S = 60.0  # the longest the demo waits for any one event it caused
 
@@ -83,7 +83,7 @@ class _Drill:
         return statistics.median(gaps) if gaps else 0.0
 
 
-def _notice_times(timeline: list[dict[str, Any]]) -> dict[str, float | None]:
+def notice_times(timeline: list[dict[str, Any]]) -> dict[str, float | None]:
     """From the timeline: seconds from the notice to the live state on N-1 slices (``left``), and to the first step
     committed there (``running_on_rest``: it adds the compile for the smaller mesh)."""
     left = next((e for e in timeline if e["event"] == "left"), None)
@@ -110,7 +110,7 @@ def run_drain_demo(
         drill.job = trainer.job
         result = trainer.fit()
     out = result.report.to_dict()
-    out.update(_notice_times(out["timeline"]))
+    out.update(notice_times(out["timeline"]))
     out["step_s"] = round(drill.step_s(), 4)
     out["killed_at_deadline"] = drill.killed_at is not None
     if verify:

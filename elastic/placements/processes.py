@@ -184,14 +184,17 @@ class ProcessPlacement:
         members = tuple(sorted(view.active))
         group = self._group()
         previous = self._members
-        for s in set(previous) - set(members):  # a member left out (stopped, hung, not yet dead): end that process
+        leavers = self._leavers(view, previous, live=live)  # leaving on notice: asked, then let go cleanly
+        for s in set(previous) - set(members) - set(leavers):  # left out (stopped, hung, not yet dead): ended
             self._kill(s)
         handles = {s: group.agent(s) for s in members}
         incarnations = {s: group.incarnation(s) for s in members}
         asked = time.monotonic()
         helds = self._ask(handles, "held", timeout=90.0, args=(live,))  # at a boundary: its snapshot, copied
-        holders = [s for s in members if any(h["own"] for h in helds[s].values())]
-        source, step, keeper, tier = self._source(helds, holders, live=live, previous=previous)
+        donated = self._donations(leavers)
+        holders = [s for s in (*members, *sorted(donated)) if any(h["own"] for h in {**helds, **donated}[s].values())]
+        source, step, keeper, tier = self._source({**helds, **donated}, holders, live=live, previous=previous)
+        leavers = {s: h for s, h in leavers.items() if s in donated}
         self._log.info(
             "group_source", epoch=view.epoch, source=source, step=step, held={s: sorted(h) for s, h in helds.items()}
         )
@@ -217,6 +220,7 @@ class ProcessPlacement:
             rendezvous_timeout_s=self._procs.rendezvous_timeout_s,
             record_calls=not self._calls,
             fault_floor=self._reached,
+            donors=leavers,
         )
         refs = {handles[s].prepare.remote(plan): s for s in members}
         if step is not None:
@@ -228,10 +232,13 @@ class ProcessPlacement:
                 timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
                 what=f"group {plan.epoch} to form",
             )
+            self._depart(leavers)  # after the survivors re-formed (they may have read from it), before its group ends
         except jax.errors.JaxRuntimeError:
             died = self._died & set(previous)  # a survivor of the last group died as this one formed
             self._gone |= self._died
             self.figures["survivors_lost"] += len(self._collateral(died - self._targeted(plan, died)))
+            for s in leavers:
+                self._kill(s)
             raise
         finally:
             if old is not None:
@@ -278,6 +285,43 @@ class ProcessPlacement:
         if live:
             return Placed(how="moved", step=step, detail=detail)
         return Placed(how="restored", step=step, tier=tier, generation=step, meta=meta, detail=detail)
+
+    def _leavers(self, view: View, previous: tuple[int, ...], *, live: bool) -> dict[int, Any]:
+        """The workers of the last group's members that leave on notice at this boundary (alive, not replaced)."""
+        if not live:
+            return {}
+        out = set(previous) - set(view.active)
+        return {s: self._handles[s] for s in sorted(out & view.leaving) if s in self._handles and s not in self._gone}
+
+    def _donations(self, leavers: dict[int, Any]) -> dict[int, dict[int, Any]]:
+        """What each leaving worker holds (its boundary snapshot, copied). One that does not answer in time gave
+        nothing: it is no donor, and the state comes from the survivors as after a loss."""
+        refs = {h.held.remote(True): s for s, h in leavers.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=60.0) if refs else ([], [])
+        out = {}
+        for ref in ready:
+            try:
+                out[refs[ref]] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - it died early: the deadline came first
+                self._log.warning("leaver_gone", slice=refs[ref], error=type(err).__name__)
+        return out
+
+    def _depart(self, leavers: dict[int, Any]) -> None:
+        """Let each leaving worker leave its group and end its process (exit code 0); one that does not answer is
+        ended as a lost member is. The exit codes go to the report (``leaving_exit_codes``)."""
+        refs = {h.depart.remote(): s for s, h in leavers.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=30.0) if refs else ([], [])
+        codes = self.figures.setdefault("leaving_exit_codes", {})
+        for ref, s in refs.items():
+            self._gone.add(s)
+            try:
+                codes[s] = ray.get(ref)["exit_code"] if ref in ready else None
+            except Exception:  # noqa: BLE001 - it died as it left
+                codes[s] = None
+            if codes[s] is None:
+                self._kill(s)
+        if refs:
+            self._log.info("left_on_notice", slices=sorted(refs.values()), exit_codes=codes)
 
     def _source(
         self, helds: dict[int, dict[int, Any]], holders: list[int], *, live: bool, previous: tuple[int, ...]
@@ -404,7 +448,7 @@ class ProcessPlacement:
                     self._prepare_standby(len(plan.members))
             host.before_step(next_step)  # the drill's driver-side faults (a revive), the stall reporter
             view = host.view
-            gone = {ref: s for ref, s in pending.items() if s not in view.active}
+            gone = {ref: s for ref, s in pending.items() if s not in view.active and s not in view.leaving}
             if gone and view.gave_up is None:  # the supervisor dropped a member still in the pass: end the pass
                 failed_at = time.time()
                 dead, _ = ray.wait(list(gone), num_returns=len(gone), timeout=1.0)  # a dead process's call fails

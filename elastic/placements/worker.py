@@ -40,6 +40,7 @@ from elastic.log import get_logger
 from elastic.placements.group_tiers import GroupTiers
 from elastic.placements.holdings import Holdings
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
+from elastic.placements.signal_notice import SignalNotice
 from elastic.runtime import distributed
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision.agent import check_control
@@ -48,6 +49,7 @@ from elastic.supervision.membership import View
 __all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
 
 FETCH_TIMEOUT_S = 30.0
+DEPART_EXIT_S = 0.5  # a departing worker's reply goes out before its process ends
 DRIVER_LEASE_S = 5.0  # a pass stops when the driver has not read its progress for this long (the driver died)
 
 
@@ -88,7 +90,8 @@ class WorkerSpec:
 class GroupPlan:
     """Group ``epoch``: ``members`` (slices, in process order) served at ``address``; the state comes from
     ``source`` (``memory``: the members' host snapshots, ``keeper``, ``persistent``, or ``fresh``) at ``step``;
-    ``peers``: every member's actor; ``pids``: the driver processes the job has had (kept in snapshots)."""
+    ``peers``: every member's actor; ``donors``: the workers of slices leaving on notice, not members, asked for
+    what no member holds; ``pids``: the driver processes the job has had (kept in snapshots)."""
 
     epoch: int
     address: str
@@ -105,6 +108,7 @@ class GroupPlan:
     fault_floor: int = -1  # faults at or below this step fired already (a recomputed step does not fire again)
     loop: Any = None
     meta_hint: dict[str, Any] = field(default_factory=dict)
+    donors: dict[int, Any] = field(default_factory=dict)
 
 
 @gated_actor  # private methods unreachable through Ray; each public one takes the control credential
@@ -160,6 +164,12 @@ class SliceWorker:
         self._polled = time.monotonic()  # the driver's last progress read: its lease on this worker's pass
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)  # type: ignore[arg-type]
         self._started = False
+        self._signals: SignalNotice | None = None
+        if cfg.notices.signal is not None:  # a scheduler's warning before it takes this host: a notice
+            self._signals = SignalNotice(
+                cfg.notices.signal, cfg.notices.signal_grace_s, self._give_notice, self._log, exit=os._exit
+            )
+            self._signals.install()
         gc.freeze()  # what the imports made lives as long as the process: a re-formation's collection skips it
 
     def _on_duration(self, event: str, duration: float, **_: Any) -> None:
@@ -191,6 +201,24 @@ class SliceWorker:
                     ray.get(self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=10)
             except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
                 self._log.warning("heartbeat_failed", error=repr(err)[:200])
+
+    def _give_notice(self, deadline: float, reason: str) -> Any:
+        """A notice for this worker's slice (its process was signalled), down the one notice path."""
+        pair = [(self.slice, self.incarnation)]
+        return ray.get(self._supervisor.agent_notice.remote(pair, deadline, reason, "sigterm"), timeout=30)
+
+    def depart(self, token: str | None = None) -> dict[str, Any]:
+        """The slice left the job on notice and the survivors have re-formed without it: leave the old group, stop
+        beating, and end this process with exit code 0 once the reply is sent. Returns the exit code and the pid."""
+        check_control(self._control, token, "depart", self._log)
+        self._stop_beats.set()
+        self._holdings.end()
+        self._tiers.close()
+        self._prepared = self._final = None
+        left_s = distributed.leave() if distributed.joined() else 0.0
+        self._log.info("departed", left_s=round(left_s, 3))
+        threading.Timer(DEPART_EXIT_S, os._exit, (0,)).start()  # after Ray has sent this reply
+        return {"exit_code": 0, "pid": os.getpid(), "left_s": round(left_s, 3)}
 
     def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's wait fails when this process dies."""
@@ -451,7 +479,7 @@ class SliceWorker:
         def fetch_peer(leaf: int, index: Any, have: Any) -> Any:
             """The peers' pieces of the region, asked one peer after another until they cover it."""
             got: list[Any] = []
-            for slice_index, peer in plan.peers.items():
+            for slice_index, peer in {**plan.peers, **plan.donors}.items():
                 if slice_index == self.slice:
                     continue
                 try:
@@ -473,8 +501,8 @@ class SliceWorker:
         return state, meta
 
     def _ask(self, plan: GroupPlan, call: Callable[[Any], Any], what: str, *, required: bool = True) -> Any:
-        """The first answer that is not None from the group's other members (bounded per peer)."""
-        for slice_index, peer in plan.peers.items():
+        """The first answer that is not None from the group's other members, then its donors (bounded per peer)."""
+        for slice_index, peer in {**plan.peers, **plan.donors}.items():
             if slice_index == self.slice:
                 continue
             try:

@@ -610,10 +610,12 @@ class Supervisor:
         """The slices a new agent may bring back, each with the incarnation of its newest agent, which died:
         no agent holds the slice now, and it is neither quarantined nor seen failing by the client (its
         hardware is then suspect, and only a revive brings it back). A silent agent's slice is not listed: it
-        may beat again. Empty once closed or given up."""
+        may beat again; nor is a slice that left on notice, until its notice's deadline has passed (its host is
+        going: a new agent may start there only if it stayed). Empty once closed or given up."""
         self._authorize(token, "respawnable")
         if self._closed or self._view.gave_up is not None:
             return {}
+        now = time.time()
         return {
             s: incarnation
             for s, incarnation in self._newest.items()
@@ -621,6 +623,7 @@ class Supervisor:
             and (s, incarnation) not in self._client_lost
             and s not in self._incarnations
             and s not in self._tally.quarantined
+            and not (s in self._leaving and self._leaving[s][1].deadline > now)
         }
 
     async def wait_for_epoch(self, after: int, timeout_s: float, token: str | None = None) -> View:
