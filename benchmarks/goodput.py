@@ -1,7 +1,7 @@
 """Goodput under a seeded failure schedule: our elastic job vs a restart-from-Orbax job. Prints one JSON object.
 
     .venv/bin/python benchmarks/goodput.py --json [--steps 600] [--mtbf-steps 300] [--repair-steps 40]
-        [--snapshot-every 10] [--checkpoint-every 10] [--hidden 1024] [--seed 0]
+        [--snapshot-every 10] [--checkpoint-every 10] [--hidden 1024] [--seed 0] [--notice-fraction 0.5]
 
 * Schedule (seeded, the same steps for both jobs): 4 slices x 2 CPU devices. Failures come at exponential
   inter-arrival times of mean ``--mtbf-steps`` (the job's MTBF in steps), each killing a random live slice
@@ -31,6 +31,10 @@
   regroup or restart, less a step), snapshot or checkpoint (the two steps after one, less the common
   noise) and step-time variance (steps slower than the median: other tenants of this shared machine, not
   failures); ``goodput_less_step_noise`` leaves that last part out of the wall time.
+* Notices (``--notice-fraction F``): that share of the kills (seeded) come with a notice ``--notice-lead-steps``
+  steps before, with ``--notice-deadline-s`` (30) of warning, as a spot VM's reclaim does; the job leaves the slice
+  at a step boundary. The same schedule then runs again with every loss a surprise: ``goodput`` against
+  ``goodput_without_notices``, and ``steps_recomputed_on_notices`` (0: nothing recomputed for a warned loss).
 * ``fleet_model``: the same figures at 16,384 chips by a Young-Daly style estimate, assumptions as fields
   (the measured recovery, grow and restart seconds scaled by stated factors).
 """
@@ -188,8 +192,20 @@ def goodput_of(commits: list[tuple[int, float, int, Any]], steps: int, every: in
 
 
 # -- ours ---------------------------------------------------------------------------------------------------
-def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
-    from elastic import ElasticConfig, Faults, Policy, Trainer, optax_step
+def noticed_kills(schedule: list[Event], fraction: float, seed: int) -> set[int]:
+    """The steps of the kills that come with a notice: ``round(fraction * kills)`` of them, drawn with ``seed``."""
+    kills = [e.step for e in schedule if e.kind == "kill"]
+    count = round(fraction * len(kills))
+    if not count:
+        return set()
+    rng = np.random.default_rng(seed + 7919)  # its own stream: the schedule itself does not change
+    return {int(s) for s in rng.choice(kills, size=count, replace=False)}
+
+
+def run_ours(args: argparse.Namespace, schedule: list[Event], noticed: set[int] = frozenset()) -> dict[str, Any]:
+    """Our job under ``schedule``; the kills at the steps in ``noticed`` come with a notice ``--notice-lead-steps``
+    steps before (``--notice-deadline-s`` of warning, as a spot VM gets), the others are surprises."""
+    from elastic import ElasticConfig, Faults, NoticeError, Policy, Trainer, optax_step
 
     init, loss = make_model(args.hidden)
     faults = Faults()
@@ -199,6 +215,17 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
         else:
             faults.revive_slice(e.slice, at_step=e.step, hold=args.blocking_revive)
     commits: list[tuple[int, float, int, Any]] = []
+    warn = {e.step - args.notice_lead_steps: e.slice for e in schedule if e.kind == "kill" and e.step in noticed}
+    refused: list[str] = []
+
+    def on_step(step: int, metrics: Any, run: Any) -> None:
+        commits.append((step, time.time(), run.num_devices, (run.epoch, run.start_step)))
+        if step in warn:
+            try:  # the scheduler's warning: the slice goes at the kill's step, well inside the deadline
+                trainer.job.notice(warn[step], args.notice_deadline_s, "goodput benchmark: spot reclaim")
+            except NoticeError as err:  # the slice is down already: counted, and the kill is a surprise
+                refused.append(str(err))
+
     config = ElasticConfig(
         simulated=True,
         job_name="goodput",
@@ -215,7 +242,7 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
         batch_fn=batch,
         config=config,
         faults=faults,
-        on_step=lambda step, m, run: commits.append((step, time.time(), run.num_devices, (run.epoch, run.start_step))),
+        on_step=on_step,
     )
     trainer.job.start()
     result = trainer.fit()
@@ -239,6 +266,10 @@ def run_ours(args: argparse.Namespace, schedule: list[Event]) -> dict[str, Any]:
             "snapshots_taken": report.snapshots_taken,
             "snapshot_blocking_s_mean": round(report.snapshot_blocking_seconds / snaps, 5),
             "final_loss": report.final_loss,
+            "notices": report.notices,
+            "planned_shrinks": report.planned_shrinks,
+            "notices_refused": refused,
+            "steps_recomputed_on_notices": sum(d.get("steps_recomputed", 0) for d in report.notice_details),
         }
     )
     return out
@@ -463,6 +494,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="let the revive drill hold the loop while Ray starts the new agent (the drill's default)",
     )
+    p.add_argument(
+        "--notice-fraction",
+        type=float,
+        default=0.0,
+        help="the share of the failures that come with a notice (then the same schedule runs again, all surprises)",
+    )
+    p.add_argument("--notice-lead-steps", type=int, default=20, help="steps between a notice and its slice's loss")
+    p.add_argument("--notice-deadline-s", type=float, default=30.0, help="the warning a notice gives, in seconds")
     p.add_argument("--fleet-step-s", type=float, default=5.0)
     p.add_argument("--fleet-chip-mtbf-h", type=float, default=50_000.0)
     p.add_argument("--fleet-recovery-scale", type=float, default=30.0)
@@ -479,6 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if not 0.0 <= args.notice_fraction <= 1.0:
+        raise SystemExit(f"--notice-fraction is a share between 0 and 1; got {args.notice_fraction}")
     if args.child:
         child_main(args)
         return
@@ -493,8 +534,10 @@ def main() -> None:
         repair_steps=args.repair_steps,
         seed=args.seed,
     )
+    noticed = noticed_kills(schedule, args.notice_fraction, args.seed)
     t0 = time.time()
-    ours = run_ours(args, schedule)
+    ours = run_ours(args, schedule, noticed)
+    surprises = run_ours(args, schedule) if noticed else None  # the same schedule, every loss a surprise
     t1 = time.time()
     base = run_baseline(args, schedule) if not args.skip_baseline else {"goodput": float("nan")}
     t2 = time.time()
@@ -519,6 +562,14 @@ def main() -> None:
         json.dumps(
             {
                 "goodput": ours["goodput"],
+                **(
+                    {
+                        "goodput_without_notices": surprises["goodput"],
+                        "steps_recomputed_on_notices": ours["steps_recomputed_on_notices"],
+                    }
+                    if surprises is not None
+                    else {}
+                ),
                 "baseline_goodput": base["goodput"],
                 "schedule": {
                     "steps": args.steps,
@@ -532,10 +583,14 @@ def main() -> None:
                     "checkpoint_every": args.checkpoint_every,
                     "failures": sum(e.kind == "kill" for e in schedule),
                     "failures_dropped": dropped,
+                    "noticed_failures": sorted(noticed),
+                    "notice_lead_steps": args.notice_lead_steps,
+                    "notice_deadline_s": args.notice_deadline_s,
                     "events": [[e.step, e.kind, e.slice] for e in schedule],
                 },
                 "model": {"hidden": args.hidden, "batch": BATCH, "state_mib_with_adam": round(state_mb, 1)},
                 "ours": ours,
+                **({"ours_without_notices": surprises} if surprises is not None else {}),
                 "baseline": base,
                 "wall_over_baseline": round(ours["wall_seconds"] / base["wall_seconds"], 3)
                 if "wall_seconds" in base
@@ -545,6 +600,14 @@ def main() -> None:
                 "checks": {
                     "goodput>=0.95": ours["goodput"] >= 0.95,
                     "goodput>baseline_goodput": ours["goodput"] > base["goodput"],
+                    **(
+                        {
+                            "goodput>goodput_without_notices": ours["goodput"] > surprises["goodput"],
+                            "steps_recomputed_on_notices==0": ours["steps_recomputed_on_notices"] == 0,
+                        }
+                        if surprises is not None
+                        else {}
+                    ),
                 },
             }
         )

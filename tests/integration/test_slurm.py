@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 
 ELASTIC = VENV_BIN / "elastic"
 START_TIMEOUT_S = 240  # submit -> the first steps: 4 Ray nodes and 4 workers started on a busy 2-core machine
-END_TIMEOUT_S = 180  # from the node loss to the job's end: recovery, a join job's Ray node and worker, the rest
+END_TIMEOUT_S = 360  # from the node loss to the job's end: recovery, a join job's Ray node and worker, the rest
 
 
 @pytest.fixture(scope="module")
