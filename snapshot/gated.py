@@ -8,8 +8,10 @@ function-or-method test, on the caller's side and in the actor's worker alike) d
 no handle offers it and no task can run it. Each public method must take ``token`` (its gate: the body refuses a
 call without the credential); a class with an ungated public method is refused at import.
 
-Ray's own methods (``__ray_call__``, ``__ray_ready__``, ``__ray_terminate__``) stay: ``__ray_call__`` runs the
-caller's code inside the actor, which is outside what a job boundary promises (see the operating guide).
+Ray adds three methods of its own to every actor class. ``__ray_call__`` would run any caller's function inside the
+actor (its state, its credentials' digests, the images it holds): a gated class brings its own, which refuses every
+call (:class:`ActorAccessError`), so that no code from outside ever runs in a job's actor. ``__ray_ready__`` (True)
+and ``__ray_terminate__`` (ends the actor, as ``ray.kill`` by any handle's holder would) stay as Ray defines them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["gated_actor", "internal", "reachable"]
+from .errors import KeeperAccessError
+
+__all__ = ["ActorAccessError", "gated_actor", "internal", "reachable"]
+
+
+class ActorAccessError(KeeperAccessError):
+    """A call that a gated actor refuses whoever makes it (Ray's ``__ray_call__``)."""
+
 
 T = TypeVar("T", bound=type)
 
@@ -40,8 +49,24 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _ray_ready(self: Any) -> bool:
+    return True
+
+
+def _ray_call(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Ray's way to run a caller's function inside the actor: refused, whoever calls."""
+    raise ActorAccessError(f"{type(self).__name__}.__ray_call__ refused: no code from outside runs in a job's actor")
+
+
+def _ray_terminate(self: Any) -> None:
+    import ray
+
+    ray.actor.exit_actor()
+
+
 def gated_actor(cls: T) -> T:
-    """Hide ``cls``'s private methods from Ray and check that each public method takes ``token``."""
+    """Hide ``cls``'s private methods from Ray, check that each public method takes ``token``, and make the class
+    its own Ray actor class (Ray then adds none of its methods: ``__ray_call__`` here refuses every call)."""
     for name, value in list(vars(cls).items()):
         if not inspect.isfunction(value):
             continue
@@ -49,7 +74,16 @@ def gated_actor(cls: T) -> T:
             setattr(cls, name, internal(value))
         elif not name.startswith("__") and "token" not in inspect.signature(value).parameters:
             raise TypeError(f"{cls.__name__}.{name} takes no token: every public method of an actor is gated")
-    return cls
+    own = {  # what ray.actor._modify_class would have made (it leaves a class that has __ray_actor_class__ alone)
+        "__ray_actor_class__": cls,
+        "__ray_ready__": _ray_ready,
+        "__ray_call__": _ray_call,
+        "__ray_terminate__": _ray_terminate,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    return type(cls)(cls.__name__, (cls,), own)
 
 
 def reachable(actor_class: Any) -> list[str]:

@@ -26,27 +26,42 @@ import ray
 from elastic import priority
 from elastic.log import get_logger
 from elastic.runtime import distributed
+from elastic.snapshot.gated import gated_actor
+from elastic.supervision import credential
+from elastic.supervision.agent import check_control
 
 __all__ = ["StandbyGroup", "StandbyProcess"]
 
 Call = tuple[bytes, Any]  # (the jitted function, cloudpickled; its runtime.standby.Signature)
 
 
+@gated_actor  # unnamed, but gated all the same: its one method runs what it is given
 class StandbyProcess:
-    """One helper process of a standby group (a Ray actor, wrapped by :class:`StandbyGroup`)."""
+    """One helper process of a standby group (a Ray actor, wrapped by :class:`StandbyGroup`). ``control``: the
+    digest of the credential its group's calls carry."""
 
-    def __init__(self, cache_dir: str, env: dict[str, str]) -> None:
+    def __init__(self, cache_dir: str, env: dict[str, str], control: str | None = None) -> None:
         import jax
 
+        self._control = control
+        self._log = get_logger("elastic.standby.process")
         priority.background()  # it only saves a later recovery a compile: the job's workers come first
         distributed.setup_process(env)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     def compile(
-        self, address: str, size: int, index: int, mesh_fn: Any, calls: Sequence[Call], rendezvous_timeout_s: int
+        self,
+        address: str,
+        size: int,
+        index: int,
+        mesh_fn: Any,
+        calls: Sequence[Call],
+        rendezvous_timeout_s: int,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """Join the standby group, compile every call for its mesh, leave; what was compiled, and how long."""
+        check_control(self._control, token, "compile", self._log)
         import cloudpickle
         import jax
 
@@ -106,6 +121,7 @@ class StandbyGroup:
         self.compiled = self.skipped = 0
         self.seconds = 0.0
         self._log = get_logger("elastic.standby", job=job)
+        self._secret = credential.new_token()  # its helpers' credential: made here, known to this process only
 
     def ran(self, size: int) -> None:
         """A group of ``size`` ran its steps: the cache holds them (the grow-back size needs no rehearsal)."""
@@ -151,11 +167,14 @@ class StandbyGroup:
             with self._cond:
                 if self._closed:
                     return
-                actors = [remote.options(**self._options()).remote(self._cache_dir, self._env) for _ in range(size)]
+                control = credential.digest(self._secret)
+                actors = [
+                    remote.options(**self._options()).remote(self._cache_dir, self._env, control) for _ in range(size)
+                ]
                 self._actors = actors
             service = distributed.CoordinationService(size, host=ray.util.get_node_ip_address())
             refs = [
-                a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s)
+                a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s, token=self._secret)
                 for i, a in enumerate(actors)
             ]
             results = ray.get(refs, timeout=self._timeout_s)

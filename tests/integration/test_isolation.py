@@ -110,8 +110,7 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
     assert ray.get(raw.heartbeats.remote([(0, 0)], token=agent_cred), timeout=30) == []  # ... but beats
     view = ray.get(mine.supervisor.view.remote(), timeout=30)
     assert view.active == frozenset(range(4)) and view.epoch == 1, view  # nothing happened
-    held = ray.get(raw.__ray_call__.remote(lambda self: repr(vars(self))), timeout=30)
-    assert mine.token not in held and agent_cred not in held  # only digests are kept
+    assert refused(raw.__ray_call__.remote(lambda self: repr(vars(self))))  # no code from outside runs in it
     records = events.read(job, mine.run)
     good, forged = events.verify(records, derive(mine.token, "stream"))
     assert not forged and any(r["kind"] == "refused_command" and r["command"] == "register" for r in good)
@@ -213,7 +212,8 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
             good, leaves=(leaf, *good.leaves[1:]), meta_checksum=meta_checksum(good.meta), mac="0" * 64
         )
         forged.verify()  # it passes the checksums
-        ray.get(keepers[0][1].__ray_call__.remote(lambda self, im: self._images.append(im), forged), timeout=30)
+        assert refused(keepers[0][1].__ray_call__.remote(lambda self, im: self._images.append(im), forged))
+        ray.get(keepers[0][1].put.remote(forged, token=derive(token, "keeper")), timeout=30)  # the keeper's gate passed
         got = tier.latest()
         assert got is not None and got.step == 10, got  # the next keeper's good image
         assert refusals and refusals[0][:2] == (keepers[0][0], 30), refusals
@@ -591,8 +591,8 @@ def test_a_flood_of_refused_calls_is_bounded_and_evicts_no_history(two_jobs):
 
 # -- every method of every named actor refuses a call without the credential ---------------------------------------
 
-# Ray's own: __ray_call__ runs the caller's code in the actor (outside the promise); a handle's __init__ is the
-# handle's own Python method, not a call on the actor (``handle.__init__.remote`` does not exist)
+# Ray's own: __ray_call__ (refused to every caller: checked apart), __ray_ready__, __ray_terminate__; a handle's
+# __init__ is the handle's own Python method, not a call on the actor (``handle.__init__.remote`` does not exist)
 RAYS_OWN = {"__ray_call__", "__ray_ready__", "__ray_terminate__", "__init__"}
 
 
@@ -611,9 +611,10 @@ def _refuses_every_method(handle, original: type, tokens) -> list[str]:
     return accepted
 
 
-def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_local):
+def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_local, tmp_path):
     """Issue 42's enumeration: the supervisor, both agents, the keeper and the multi-process worker, each created
     with a job's credential; every method a handle offers refuses a call without it (or with another job's)."""
+    from elastic.placements.standby import StandbyProcess
     from elastic.placements.worker import SliceWorker, WorkerSpec
     from elastic.snapshot.keeper_actor import Keeper
     from elastic.supervision.agent import SliceAgent, SliceGroupAgent
@@ -649,18 +650,24 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
             .remote(1, 0, None, spec, None, control),
             SliceWorker,
         ),  # noqa: E501
+        "standby helper": (  # unnamed: its handle is what an actor listing's ID would give another job
+            ray.remote(StandbyProcess).remote(str(tmp_path), {}, control),
+            StandbyProcess,
+        ),
     }
     try:
         for what, (created, cls) in actors.items():
             ray.get(created.__ray_ready__.remote(), timeout=120)
             name = {"supervisor": "supervisor", "agent": "agent-0-0", "group agent": "agents"}.get(what)
-            name = name or {"keeper": "keeper-0", "worker": "agent-1-0"}[what]
-            raw = ray.get_actor(name, namespace=namespace)  # what another job gets
+            name = name or {"keeper": "keeper-0", "worker": "agent-1-0"}.get(what)
+            raw = ray.get_actor(name, namespace=namespace) if name else created  # what another job gets
             tokens = {
                 "supervisor": [None, other, derive(token, "control")],
                 "keeper": [None, derive(other, "keeper"), token],
             }.get(what, wrong)
             assert _refuses_every_method(raw, cls, tokens) == [], what
+            for token_ in (None, *tokens):  # Ray's own way to run the caller's code in the actor: refused to all
+                assert refused(raw.__ray_call__.remote(lambda self: vars(self), token=token_)), what
     finally:
         for created, _ in actors.values():
             ray.kill(created, no_restart=True)
