@@ -61,7 +61,15 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _submit(slurm: slurm_cluster.Slurm, work: Path, short_tmp: Path, name: str, nodes: int, *demo_args: str) -> str:
+def _submit(
+    slurm: slurm_cluster.Slurm,
+    work: Path,
+    short_tmp: Path,
+    name: str,
+    nodes: int,
+    *demo_args: str,
+    slurm_args: str = "",
+) -> str:
     template = work / "elastic.sbatch"
     if not template.exists():
         subprocess.run([str(ELASTIC), "slurm", "template", "--out", str(template)], check=True, timeout=60)
@@ -69,7 +77,7 @@ def _submit(slurm: slurm_cluster.Slurm, work: Path, short_tmp: Path, name: str, 
         **slurm.env,
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "TMPDIR": str(short_tmp),  # the Ray nodes' temp dirs: this test's own, short (Ray's unix sockets)
-        "ELASTIC_SLURM_ARGS": "--object-store-memory 100000000 --regrow-grace 1",
+        "ELASTIC_SLURM_ARGS": f"--object-store-memory 100000000 --regrow-grace 1 {slurm_args}".strip(),
     }
     cmd = ["sbatch", "--parsable", f"-N{nodes}", f"--job-name={name}", str(template)]
     cmd += [sys.executable, "-m", "elastic.demos.slurm", "--simulated", "--verify", *demo_args]
@@ -181,6 +189,47 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
         f"lowest {lowest} slices, survivors_lost {report['survivors_lost']}"
     )
     slurm.run("scontrol", "update", "nodename=n4", "state=resume")
+
+
+@pytest.mark.timeout(600)
+def test_a_drained_node_is_left_at_a_step_boundary_and_a_join_job_replaces_it(
+    slurm, tmp_path: Path, short_tmp: Path
+) -> None:
+    """``scontrol update nodename=n2 state=drain``: a notice for the slice on n2 (through a Ray drain of its Ray node,
+    ``--drain-deadline`` of warning); the job leaves it at a step boundary, recomputing nothing, its worker exits 0;
+    the head asks for a one-node job to replace the node, and the job grows back onto it past the deadline."""
+    work = tmp_path / "work"
+    work.mkdir()
+    name = f"ej-drain-{secrets.token_hex(3)}"
+    args = ("--steps", "40", "--slices", "2", "--min-slices", "1", "--pace", "0.2", "--pace-degraded", "1.0")
+    job = _submit(slurm, work, short_tmp, name, 2, *args, slurm_args="--drain-deadline 8")
+    out = lambda: _output(work, name, job) + slurm.log()  # noqa: E731
+    _wait(
+        "step 6 on 2 slices", lambda: "step 6 committed on 2 slices" in _output(work, name, job), START_TIMEOUT_S, out
+    )
+    try:
+        slurm.run("scontrol", "update", "nodename=n2", "state=drain", "reason=elastic-test-drain")
+        _wait("the job's end", lambda: _ended(slurm, job), END_TIMEOUT_S, out)
+    finally:
+        slurm.run("scontrol", "update", "nodename=n2", "state=resume")
+    text = _output(work, name, job)
+    info = slurm.job(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-6000:])
+    report = _report(text)
+    assert (report["notices"], report["planned_shrinks"], report["recoveries"]) == (1, 1, 0), report
+    assert report["steps_recomputed"] == 0 and report["steps_committed"] == 40, report
+    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
+    assert list(report["leaving_exit_codes"].values()) == [0], report
+    (detail,) = report["notice_details"]
+    assert detail["source"] == "ray_drain" and detail["planned"] is True, detail
+    forwarded = [line for line in text.splitlines() if "slurm_drain_forwarded" in line]
+    assert len(forwarded) == 1 and "node=n2" in forwarded[0] and "reason=elastic-test-drain" in forwarded[0], forwarded
+    assert detail["lead_s"] == pytest.approx(8.0, abs=3.0), detail  # --drain-deadline, less the watcher's poll
+    assert report["min_slices_seen"] == 1 and report["grows"] >= 1 and report["slices_final"] == 2, report
+    assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report
+    joins = slurm.jobs_named(f"{name}-join")
+    assert len(joins) == 1 and joins[0]["NodeList"] not in ("n1", "n2"), joins
+    _wait("the join job's end", lambda: _ended(slurm, joins[0]["JobId"]), 60, out)
 
 
 @pytest.mark.timeout(600)

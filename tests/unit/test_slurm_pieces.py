@@ -80,3 +80,17 @@ def test_the_template_keeps_the_job_when_a_node_fails() -> None:
     assert text.startswith("#!/bin/bash")
     for line in ("#SBATCH --no-kill", "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "elastic slurm run"):
         assert line in text
+
+
+def test_drained_nodes_from_scontrol_with_their_reasons():
+    from elastic.ops.slurm.drains import drained
+
+    lines = [
+        "NodeName=n1 Arch=x86_64 CoresPerSocket=1 State=MIXED ThreadsPerCore=1",
+        "NodeName=n2 Arch=x86_64 State=MIXED+DRAIN ThreadsPerCore=1 Reason=disk failing [root@2026-12-07T05:00:00]",
+        "NodeName=n3 Arch=x86_64 State=IDLE+DRAIN Reason=maintenance",
+        "NodeName=n4 State=DOWN+NOT_RESPONDING Reason=elastic-test [root@2026-12-07T05:01:00]",
+        "garbage",
+    ]
+    assert drained(lines) == {"n2": "disk failing", "n3": "maintenance"}
+    assert drained([]) == {}

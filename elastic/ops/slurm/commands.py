@@ -57,6 +57,7 @@ def _template(args: argparse.Namespace) -> int:
 def _start_args(args: argparse.Namespace) -> list[str]:
     out = ["--regrow-grace", str(args.regrow_grace), "--max-joins", str(args.max_joins)]
     out += ["--nodes-timeout", str(args.nodes_timeout), "--head-timeout", str(args.head_timeout)]
+    out += ["--drain-deadline", str(args.drain_deadline)]
     if args.object_store_memory:
         out += ["--object-store-memory", str(args.object_store_memory)]
     return out
@@ -83,6 +84,7 @@ def _start(args: argparse.Namespace) -> int:
         "head_timeout_s": args.head_timeout,
         "object_store_memory": args.object_store_memory,
         "start_args": _start_args(args),
+        "drain_deadline_s": args.drain_deadline,
     }
     return start_node(_job_dir(args), join=args.join, cmd=_command(args), options=options)
 
@@ -132,6 +134,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regrow-grace", type=float, default=5.0, help="seconds below the node count before asking")
     p.add_argument("--max-joins", type=int, default=4, help="one-node join jobs submitted at most (0: never)")
+    p.add_argument(
+        "--drain-deadline",
+        type=float,
+        default=60.0,
+        help="seconds of warning a Slurm drain of a node gives the job (it leaves the node at a step boundary)",
+    )
     p.add_argument("--nodes-timeout", type=float, default=300.0, help="seconds for every node to join at start")
     p.add_argument("--head-timeout", type=float, default=300.0, help="seconds for the head to come up")
     p.add_argument("--object-store-memory", type=int, help="bytes of Ray object store per node (default: Ray's)")

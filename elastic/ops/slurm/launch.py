@@ -24,12 +24,14 @@ from typing import Any
 from elastic.errors import ClusterError
 from elastic.log import get_logger
 from elastic.ops.slurm.allocation import JobDir, SlurmNode, node_address
+from elastic.ops.slurm.drains import SlurmDrains
 from elastic.ops.slurm.node import HOST_RESOURCE, RayNode, host_resources, ray_env
 from elastic.ops.slurm.regrow import Hold, RegrowPolicy, decide_regrow, queued_joins, submit_join
 
 __all__ = ["run_allocation", "start_node"]
 
 POLL_S = 1.0
+DRAIN_POLL_S = 3.0  # how often the head asks Slurm which nodes are drained
 START_ATTEMPTS = 3
 log = get_logger("elastic.ops.slurm")
 
@@ -155,13 +157,18 @@ def _drive(
         }
         proc = subprocess.Popen(list(cmd), env=env)
         policy: RegrowPolicy = options["policy"]
+        drains = SlurmDrains(head.address, node.node_name, options.get("drain_deadline_s", 60.0), bound)
+        polled = 0.0
         submitted: list[str] = []
         below_since: float | None = None
         last = ""
         while proc.poll() is None:
             time.sleep(POLL_S)
-            alive, joined_jobs = _hosts()
+            alive, joined_jobs, nodes = _hosts()
             now = time.monotonic()
+            if now - polled >= DRAIN_POLL_S:  # a Slurm drain of a node: a Ray drain, which the job takes as a notice
+                polled = now
+                drains.poll(nodes)
             below_since = (below_since or now) if alive < node.num_nodes else None
             queued = [j for j, _ in queued_joins(job_dir.job_name) if j not in joined_jobs] if below_since else []
             choice = decide_regrow(
@@ -187,17 +194,23 @@ def _drive(
         ray.shutdown()
 
 
-def _hosts() -> tuple[int, set[str]]:
-    """The job's Ray nodes alive, and the Slurm job ids they came from."""
+def _hosts() -> tuple[int, set[str], dict[str, str]]:
+    """The job's Ray nodes up (alive and not draining: a drained node is as good as lost), the Slurm job ids they
+    came from, and each alive one's Slurm node name -> Ray node id."""
     import ray
 
-    alive, jobs = 0, set()
+    draining = set(ray._private.state.state.get_draining_nodes() or {})
+    alive, jobs, names = 0, set(), {}
     for n in ray.nodes():
         res = n.get("Resources", {})
-        if n.get("Alive") and res.get(HOST_RESOURCE):
-            alive += 1
-            jobs |= {k.removeprefix("slurm_job_") for k in res if k.startswith("slurm_job_")}
-    return alive, jobs
+        if not (n.get("Alive") and res.get(HOST_RESOURCE)):
+            continue
+        names.update({k.removeprefix("slurm_node_"): n["NodeID"] for k in res if k.startswith("slurm_node_")})
+        if n["NodeID"] in draining:
+            continue
+        alive += 1
+        jobs |= {k.removeprefix("slurm_job_") for k in res if k.startswith("slurm_job_")}
+    return alive, jobs, names
 
 
 def _wait_nodes(count: int, deadline: float, head: RayNode) -> None:

@@ -1,0 +1,93 @@
+"""A Slurm drain as a notice: ``scontrol update nodename=N state=drain`` on a node of the job's allocation becomes a
+Ray drain of that node's Ray node (with a deadline), which the job's supervisor already reads as a notice for the
+slices whose workers run there (:mod:`elastic.supervision.drains`). So a drained node is left at a step boundary,
+nothing recomputed, its worker exiting 0; the head (:mod:`elastic.ops.slurm.launch`) no longer counts it as up and
+asks for a one-node job to replace it, as for a lost node.
+
+Slurm's drain has no deadline (running jobs go on, no new one starts there): ``deadline_s`` (``elastic slurm run
+--drain-deadline``) is the warning the job takes. The head's own node cannot leave (it runs the driver and the Ray
+head): its drain is logged, not forwarded.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["SlurmDrains", "drained"]
+
+_NODE = re.compile(r"NodeName=(\S+)")
+_STATE = re.compile(r"\bState=(\S+)")
+_REASON = re.compile(r"\bReason=(.*?)(?: \[|$)")
+
+
+def drained(scontrol_lines: Iterable[str]) -> dict[str, str]:
+    """The nodes ``scontrol -o show node`` lists as draining or drained, each with its reason. Pure."""
+    out = {}
+    for line in scontrol_lines:
+        node, state = _NODE.search(line), _STATE.search(line)
+        if node is None or state is None or "DRAIN" not in state.group(1).upper():
+            continue
+        reason = _REASON.search(line)
+        out[node.group(1)] = reason.group(1).strip() if reason else "drained"
+    return out
+
+
+class SlurmDrains:
+    """Forwards each Slurm drain of a node of the job's Ray cluster (once per node) as a Ray drain."""
+
+    def __init__(self, gcs_address: str, head_node: str, deadline_s: float, log: Any) -> None:
+        self._address = gcs_address
+        self._head = head_node
+        self._deadline_s = deadline_s
+        self._log = log
+        self.forwarded: dict[str, str] = {}  # Slurm node -> the Ray node drained for it
+
+    def poll(self, nodes: dict[str, str]) -> list[str]:
+        """``nodes``: Slurm node name -> its Ray node id, for the job's Ray nodes alive. Returns the Slurm nodes newly
+        forwarded. A failing ``scontrol`` is logged and tried again at the next poll."""
+        fresh = {n: i for n, i in nodes.items() if n not in self.forwarded}
+        if not fresh:
+            return []
+        try:
+            found = subprocess.run(
+                ["scontrol", "-o", "show", "node", ",".join(sorted(fresh))],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            ).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError) as err:
+            self._log.warning("slurm_drain_poll_failed", error=str(err)[:200])
+            return []
+        done = []
+        for node, reason in sorted(drained(found).items()):
+            if node not in fresh:
+                continue
+            if node == self._head:
+                self._log.warning("slurm_drain_of_head", node=node, why="the head's node runs the driver: not left")
+                self.forwarded[node] = ""
+                continue
+            if self._drain(fresh[node], f"slurm drain of {node}: {reason}"):
+                self.forwarded[node] = fresh[node]
+                done.append(node)
+                self._log.info("slurm_drain_forwarded", node=node, reason=reason, deadline_s=self._deadline_s)
+        return done
+
+    def _drain(self, node_id: str, reason: str) -> bool:
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=self._address)  # type: ignore[attr-defined]
+        accepted, why = gcs.drain_node(
+            node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),  # type: ignore[attr-defined]
+            reason,
+            int((time.time() + self._deadline_s) * 1000),
+        )
+        if not accepted:
+            self._log.warning("slurm_drain_refused_by_ray", node_id=node_id, why=str(why)[:200])
+        return bool(accepted)
