@@ -2,7 +2,7 @@
 
 from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
-from .classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from .classify import FailureKind, SliceLostError, classify_failure, is_recoverable, is_slice_loss
 from .freeing import discard, held_bytes, release
 from .freeing import flush as flush_releases
 from .freeing import wake as wake_releases
@@ -23,6 +23,7 @@ __all__ = (
     "REPLICA_AXIS",
     "Slice",
     "SliceProbe",
+    "SliceLostError",
     "StepHungError",
     "StructureError",
     "Topology",

@@ -10,7 +10,16 @@ import jax
 
 from .guard import StepHungError
 
-__all__ = ["FailureKind", "classify_failure", "is_recoverable", "is_slice_loss"]
+__all__ = ["FailureKind", "SliceLostError", "classify_failure", "is_recoverable", "is_slice_loss"]
+
+
+class SliceLostError(RuntimeError):
+    """Slices are gone, as the runtime itself observed (a worker process died, a group did not form, a pass ended
+    with a peer lost): no error of jax's to parse, the loss is the fact. ``slices``: those known lost."""
+
+    def __init__(self, message: str, slices: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.slices = slices
 
 
 class FailureKind(enum.Enum):
@@ -45,6 +54,8 @@ def classify_failure(err: BaseException) -> FailureKind:
         seen.add(id(current))
         if isinstance(current, StepHungError):
             return FailureKind.HUNG
+        if isinstance(current, SliceLostError):
+            return FailureKind.SLICE_LOSS
         if isinstance(current, jax.errors.JaxRuntimeError):
             message = str(current)
             code = _status_code(message)

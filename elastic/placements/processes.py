@@ -233,7 +233,7 @@ class ProcessPlacement:
                 what=f"group {plan.epoch} to form",
             )
             self._depart(leavers)  # after the survivors re-formed (they may have read from it), before its group ends
-        except jax.errors.JaxRuntimeError:
+        except runtime.SliceLostError:
             died = self._died & set(previous)  # a survivor of the last group died as this one formed
             self._gone |= self._died
             self.figures["survivors_lost"] += len(self._collateral(died - self._targeted(plan, died)))
@@ -512,7 +512,7 @@ class ProcessPlacement:
                 f"slice {s}: " + ("worker process died" if s in lost else str(results[s].get("error"))[:120])
                 for s in failed[:4]
             )
-            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: group {plan.epoch} broke ({why})")
+            raise runtime.SliceLostError(f"group {plan.epoch} broke ({why})", slices=tuple(failed))
         first = [r for r in results.values() if r.get("first_commit_at")]
         if self._recovering and first:
             self._recovering = False
@@ -701,8 +701,8 @@ class ProcessPlacement:
                 missing.append(s)
                 self._died.add(s)
         if missing:
-            raise jax.errors.JaxRuntimeError(
-                f"UNAVAILABLE: slice(s) {sorted(missing)} did not answer while waiting for {what}"
+            raise runtime.SliceLostError(
+                f"slice(s) {sorted(missing)} did not answer while waiting for {what}", slices=tuple(sorted(missing))
             )
         bad = {s: r for s, r in out.items() if isinstance(r, dict) and r.get("status") in ("failed", "error")}
         if bad:
@@ -711,8 +711,8 @@ class ProcessPlacement:
                 raise ElasticError(
                     f"slice {s}'s worker failed while waiting for {what}: {r['error']}\n{r.get('traceback', '')}"
                 )
-            raise jax.errors.JaxRuntimeError(
-                f"UNAVAILABLE: slice {s}'s worker failed while waiting for {what}: {r['error']}"
+            raise runtime.SliceLostError(
+                f"slice {s}'s worker failed while waiting for {what}: {r['error']}", slices=(s,)
             )
         return out
 

@@ -611,9 +611,9 @@ class SliceWorker:
                 first_step.append(time.time())
             silent = time.monotonic() - self._polled
             if silent > DRIVER_LEASE_S:  # a worker must not train on for a dead driver (Ray ends it soon)
-                raise jax.errors.JaxRuntimeError(
-                    f"UNAVAILABLE: the driver has not read this pass's progress for "
-                    f"{silent:.1f}s (more than {DRIVER_LEASE_S}s): it is gone or stuck"
+                raise runtime.SliceLostError(
+                    f"the driver has not read this pass's progress for {silent:.1f}s (more than {DRIVER_LEASE_S}s): "
+                    "it is gone or stuck"
                 )
             if self._spec.step_hooks:
                 context = StepContext(step=step, slice=self.slice, floor=plan.fault_floor, supervisor=self._supervisor)

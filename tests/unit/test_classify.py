@@ -121,3 +121,15 @@ def test_classify_cycle_with_loss_found():
     a.__cause__ = b
     b.__context__ = a
     assert classify_failure(a) is LOSS
+
+
+def test_a_loss_the_runtime_saw_itself_is_a_slice_loss_by_type_not_by_text():
+    from elastic.runtime import SliceLostError, classify_failure
+    from elastic.runtime.classify import FailureKind
+
+    lost = SliceLostError("group 3 broke (slice 1: worker process died)", slices=(1,))
+    assert classify_failure(lost) is FailureKind.SLICE_LOSS and lost.slices == (1,)
+    wrapped = RuntimeError("in the pass")
+    wrapped.__cause__ = lost
+    assert classify_failure(wrapped) is FailureKind.SLICE_LOSS
+    assert classify_failure(RuntimeError("UNAVAILABLE: group 3 broke")) is FailureKind.OTHER  # text alone is not it
