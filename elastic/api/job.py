@@ -280,10 +280,10 @@ class ElasticJob:
             ).start(wait=False)
 
     def _snapshot_stats(self) -> dict[str, Any]:
-        if self._tiers is not None:
-            return self._tiers.snapshot_stats()
         if self._placement is not None:
             return self._placement.snapshot_stats()
+        if self._tiers is not None:  # before the first run
+            return self._tiers.snapshot_stats()
         return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0}
 
     def _last_completed(self) -> tuple[int, str] | None:
@@ -413,10 +413,7 @@ class ElasticJob:
         try:
             result = controller.run(loop)
             if self._save_final_to is not None:
-                if self._multi:
-                    placement.save_final(str(self._save_final_to))
-                else:
-                    orbax_io.save_final(self._save_final_to, result.state)
+                placement.save_final(str(self._save_final_to))
                 self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))
                 self._log.info("saved_final", path=str(self._save_final_to))
         finally:

@@ -109,6 +109,12 @@ class Placement(Protocol):
     def final_state(self) -> Any:
         """The state after the last committed step."""
 
+    def save_final(self, path: str) -> None:
+        """Write the final state to ``path`` (a new directory) as an Orbax checkpoint, each shard by its holder."""
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The snapshot counters as last known: ``blocking_seconds``, ``snapshots_taken``, ``held_bytes``."""
+
     def fill(self, report: Any) -> None:
         """Add the placement's figures (snapshot tiers, standby compiles, mode-specific counts) to ``report``."""
 

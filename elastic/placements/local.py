@@ -245,6 +245,18 @@ class LocalPlacement:
     def final_state(self) -> Any:
         return self._state
 
+    def save_final(self, path: str) -> None:
+        """Write the final state to ``path`` with Orbax (this process holds every shard)."""
+        from etils import epath
+
+        from elastic.api import orbax_io
+
+        orbax_io.save_final(epath.Path(path), self._state)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The snapshotter's counters (blocking seconds, snapshots taken, bytes held)."""
+        return self._tiers.snapshot_stats()
+
     def fill(self, report: Any) -> None:
         self._tiers.fill(report)
         stats = self._standby.stats
