@@ -5,9 +5,10 @@ then the noticed slice killed where the schedule says (phase ``notice``: as soon
 Both modes, one giver. Single-process mode gives a notice at its phase through the runner's seams and waits for it
 to be taken (a notice given as a step starts is in before the step's body, so the job leaves at the next boundary),
 and the run's last step waits for a kill still due at a deadline (:meth:`NoticeGiver.hold`), so that it strikes
-while the job runs. Multi-process mode gives it from the driver once the group has committed its step
-(:meth:`NoticeGiver.reached`). What differs, how a slice is killed, is the ``aim`` the runner passes: called with a
-slice as its notice is given, it returns what kills that slice's host of that moment (:func:`aim_for`).
+while the job runs. Multi-process mode gives it from the driver once the group has committed its step, and holds
+the driver's last commit likewise (:meth:`NoticeGiver.reached`). What differs, how a slice is killed, is the
+``aim`` the runner passes: called with a slice as its notice is given, it returns what kills that slice's host of
+that moment (:func:`aim_for`).
 
 Every notice given is recorded (:attr:`NoticeGiver.given`: its reason, the one ``report.notice_details`` carries,
 its deadline, whether it was refused, when its slice was killed): the invariants read it
@@ -99,9 +100,12 @@ class NoticeGiver:
             thread.join(BOUND_S)
 
     def reached(self, step: int) -> None:
-        """Multi-process mode, from the driver's ``on_step``: give the notices at phase ``step`` due by ``step``."""
+        """Multi-process mode, from the driver's ``on_step``: give the notices at phase ``step`` due by ``step``; at
+        the last step, wait for a kill still due at a deadline (:meth:`hold`)."""
         for fault in [f for f in self._pending if f.phase == "step" and f.at_step <= step]:
             self.give(fault, step, wait=False)
+        if step == self._job.config.num_steps - 1:
+            self.hold()
 
     def _give(self, fault: ChaosFault, step: int) -> None:
         assert fault.slice is not None and fault.seconds is not None  # the catalogue's notices name both
@@ -158,9 +162,10 @@ class NoticeGiver:
         strike()
 
     def hold(self) -> None:
-        """Wait (bounded) until the kills due at a deadline have struck. Single-process mode: the run's last step
-        calls it, so that the deadline falls inside the run however fast the job went (the job must have left the
-        slice by then; if it has not, its step fails and the failure path shows in the report)."""
+        """Wait (bounded) until the kills due at a deadline have struck, so that the deadline falls inside the run
+        however fast the job went: single-process mode as its last step starts, multi-process mode as the driver
+        takes the last commit. The job must have left the slice by then; if it has not, the kill fails its step (or
+        its end) and the failure path shows in the report."""
         with self._lock:
             timers = list(self._timers)
         until = time.monotonic() + BOUND_S

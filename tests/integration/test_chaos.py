@@ -272,6 +272,7 @@ def test_a_notice_then_a_kill_at_its_deadline_in_multi_process_mode(elastic_chao
     (run,) = result.results
     ((notice, detail),) = _details(run).values()
     assert notice["refused"] is None and detail is not None, (notice, run.record.notice_details)
+    assert notice["killed_at"] >= notice["deadline"] and run.injected == 2, notice  # the driver's last commit waited
     assert detail["planned"] and detail["steps_recomputed"] == 0, detail
     assert run.record.recomputed == 0 and not run.record.restores, run.record
     assert run.verdict["notices_recompute_nothing"].status == "pass"

@@ -131,7 +131,7 @@ class FakeJob:
 
     @property
     def config(self) -> Any:
-        return SimpleNamespace(job_name="fake", policy=SimpleNamespace(min_slices=2))
+        return SimpleNamespace(job_name="fake", num_steps=12, policy=SimpleNamespace(min_slices=2))
 
     def notice(self, slices: int, deadline_s: float, reason: str) -> Any:
         self.given.append((slices, deadline_s, reason, threading.current_thread().name))
@@ -198,6 +198,17 @@ def test_the_giver_gives_multi_process_notices_as_the_group_commits_their_step_a
     assert struck == [] and all(r["killed_at"] is None for r in g.given)
     g.reached(9)
     assert len(job.given) == 2
+
+
+def test_the_drivers_last_commit_waits_for_a_kill_due_at_a_deadline():
+    a = ChaosFault(kind="notice", slice=1, at_step=2, seconds=0.3)
+    g, struck = giver(FakeJob(), plan(a, replace_phase(a, "deadline")))
+    g.give(a, 2, wait=True)  # as reached(2) does, then waited for: its deadline's kill is set
+    g.reached(10)
+    assert struck == []  # not the last step (num_steps=12)
+    g.reached(11)  # the last: held until the kill struck
+    assert [s for s, _ in struck] == [1] and g.given[0]["killed_at"] >= g.given[0]["deadline"]
+    g.close()
 
 
 @pytest.mark.parametrize(
