@@ -13,6 +13,11 @@ steps and slices. A fault has a *phase*, the moment in the job it strikes:
 - ``restore`` / ``reshard`` / ``grow``: inside that restore or move itself, its transfers dispatched and not yet
   landed (the controller's ``during_prepare`` seam).
 
+A ``notice`` warns the job that a slice will go within ``seconds`` (``ElasticJob.notice``, given from a thread of
+its own as a scheduler gives it: :mod:`elastic.chaos.notices`, both modes). A kill may follow it on the same slice
+(``at_step`` the notice's): at phase ``notice`` as soon as the notice is taken (before the job can reach the step
+boundary where it would leave), at phase ``deadline`` when its deadline passes (the scheduler takes the slice).
+
 Besides slices, a fault may strike the supervisor: ``supervisor_restart`` kills its actor so that Ray restarts it
 (it rebuilds its view from its event log), ``supervisor_lost`` kills it for good (the job must end with
 ``SupervisorLostError`` within its bound, not train on unsupervised).
@@ -41,6 +46,7 @@ from elastic.errors import ConfigError
 __all__ = [
     "CATALOGUE",
     "HANG_STEP_TIMEOUT_S",
+    "NOTICE_PHASES",
     "ChaosFault",
     "JobShape",
     "Scenario",
@@ -61,14 +67,26 @@ Phase = Literal[
     "reshard",
     "grow",
     "forming",
+    "notice",
+    "deadline",
 ]
 Kind = Literal[
-    "kill", "revive", "silence", "transient", "hang", "straggler", "corrupt", "supervisor_restart", "supervisor_lost"
+    "kill",
+    "revive",
+    "silence",
+    "transient",
+    "hang",
+    "straggler",
+    "corrupt",
+    "supervisor_restart",
+    "supervisor_lost",
+    "notice",
 ]
 Expect = Literal["finish", "give_up", "supervisor_lost"]
 DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
 PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
 WORKER_PHASES = {"mid_step": "collective", "forming": "forming", "restore": "restore"}  # multi-process kills placed
+NOTICE_PHASES: tuple[Phase, ...] = ("notice", "deadline")  # a kill that follows a notice for its slice
 HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at most this (also when the target's is off)
 
 
@@ -76,8 +94,8 @@ HANG_STEP_TIMEOUT_S = 5.0  # the step watchdog of a schedule with a hang: at mos
 class ChaosFault:
     """One fault: ``kind`` strikes slice ``slice`` (if any) at ``phase`` of step ``at_step`` (for the
     ``after_*`` phases: the first such pass once the loop has reached ``at_step``). ``seconds``: a
-    straggler's delay. A ``hang`` with a ``slice`` leaves that slice wedged (down until revived); without
-    one every slice stays healthy."""
+    straggler's delay, a notice's deadline (from when it is given). A ``hang`` with a ``slice`` leaves that slice
+    wedged (down until revived); without one every slice stays healthy."""
 
     kind: Kind
     at_step: int
@@ -136,7 +154,7 @@ class Scenario:
     build: Build
     applies: Callable[[JobShape], bool] = lambda shape: shape.spare >= 1
     since: int = 1  # the catalogue generation that added it (see the module's docstring)
-    multi: bool = False  # it applies in multi-process mode too (its faults are all at phase "step")
+    multi: bool = False  # it applies in multi-process mode too (its faults at phase "step", or notices and their kills)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,14 +199,19 @@ class Schedule:
                         faults.silence_agent(f.slice, at_step=f.at_step)
         return faults
 
+    def notices(self) -> tuple[ChaosFault, ...]:
+        """The notices and the kills that follow them (:mod:`elastic.chaos.notices` carries them out, both modes)."""
+        return tuple(f for f in self.faults if f.kind == "notice" or f.phase in NOTICE_PHASES)
+
     @property
     def hangs(self) -> bool:
         """Whether a step of this schedule hangs (the step watchdog must be on, and short)."""
         return any(f.kind == "hang" for f in self.faults)
 
     def seams(self) -> tuple[ChaosFault, ...]:
-        """The faults the chaos runner carries out (other phases and kinds)."""
-        return tuple(f for f in self.faults if not self._planned(f))
+        """The faults the chaos runner's seams carry out (other phases and kinds, but notices: :meth:`notices`)."""
+        notices = self.notices()
+        return tuple(f for f in self.faults if not self._planned(f) and f not in notices)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -363,6 +386,56 @@ def _kill_with_buddy(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFau
         ChaosFault(kind="kill", slice=s, at_step=step),
         ChaosFault(kind="kill", slice=(s + 1) % shape.num_slices, at_step=step),
     ], "finish"
+
+
+def _noticed(
+    s: int, step: int, seconds: float, *, then: Phase | None = None, phase: Phase = "step"
+) -> list[ChaosFault]:
+    """A notice for slice ``s`` at ``phase`` of step ``step``; ``then``: a kill of ``s`` at that moment after it."""
+    faults = [ChaosFault(kind="notice", slice=s, at_step=step, phase=phase, seconds=seconds)]
+    return faults + ([ChaosFault(kind="kill", slice=s, at_step=step, phase=then)] if then else [])
+
+
+def _notice_then_kill(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A notice a few seconds ahead, then the slice killed at its deadline (the scheduler takes it): the job must
+    have left it before, at a step boundary, nothing recomputed."""
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    return _noticed(s, step, round(rng.uniform(4.0, 8.0), 1), then="deadline"), "finish"
+
+
+def _notice_early_death(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A notice with a long deadline, then its slice dies as soon as the notice is taken, before the job reaches the
+    step boundary where it would leave: the failure path, no step lost or repeated."""
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    return _noticed(s, step, round(rng.uniform(30.0, 120.0), 1), then="notice"), "finish"
+
+
+def _notice_during_restore(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A slice dies; while the job restores without it (inside the restore, or the first pass after it) a second
+    slice is given notice: the job leaves that one too, live, once it runs again."""
+    first, second = rng.sample(range(shape.num_slices), 2)
+    step = _early(rng, shape)
+    phase: Phase = rng.choice(["after_restore", "restore"])
+    notice = _noticed(second, step, round(rng.uniform(10.0, 30.0), 1), phase=phase)
+    return [ChaosFault(kind="kill", slice=first, at_step=step), *notice], "finish"
+
+
+def _staggered_notices(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """Two notices for two slices, one or two steps apart (one shrink or two; never below ``min_slices``: the
+    supervisor keeps a slice whose leave would go below it until the slice goes)."""
+    first, second = rng.sample(range(shape.num_slices), 2)
+    step = _early(rng, shape)
+    return [
+        *_noticed(first, step, round(rng.uniform(5.0, 30.0), 1)),
+        *_noticed(second, step + rng.randint(1, 2), round(rng.uniform(5.0, 30.0), 1)),
+    ], "finish"
+
+
+def _notice_short_deadline(rng: random.Random, shape: JobShape) -> tuple[list[ChaosFault], Expect]:
+    """A notice whose deadline is shorter than a step, the slice killed at it: the failure path or a leave, whichever
+    comes first; no hang, nothing lost or repeated."""
+    s, step = rng.randrange(shape.num_slices), _early(rng, shape)
+    return _noticed(s, step, rng.choice([0.02, 0.05, 0.1]), then="deadline"), "finish"
 
 
 def _multi_two_down(shape: JobShape) -> bool:
@@ -542,7 +615,50 @@ MULTI_ONLY: tuple[Scenario, ...] = (
         multi=True,
     ),
 )
-CATALOGUE = CATALOGUE + MULTI_ONLY
+NOTICES: tuple[Scenario, ...] = (
+    Scenario(
+        name="notice_then_kill",
+        summary="a slice is given notice a few seconds ahead and killed at its deadline: the job has left it",
+        phases=("step", "deadline"),
+        build=_notice_then_kill,
+        since=5,
+        multi=True,
+    ),
+    Scenario(
+        name="notice_early_death",
+        summary="a slice given notice with a long deadline dies before the job could leave it",
+        phases=("step", "notice"),
+        build=_notice_early_death,
+        since=5,
+        multi=True,
+    ),
+    Scenario(
+        name="notice_during_restore",
+        summary="a slice dies; while the job restores, a second slice is given notice",
+        phases=("after_restore", "restore"),
+        build=_notice_during_restore,
+        applies=lambda shape: shape.spare >= 2,
+        since=5,
+    ),
+    Scenario(
+        name="staggered_notices",
+        summary="two slices are given notice one or two steps apart",
+        phases=("step",),
+        build=_staggered_notices,
+        applies=lambda shape: shape.spare >= 2,
+        since=5,
+        multi=True,
+    ),
+    Scenario(
+        name="notice_short_deadline",
+        summary="a notice whose deadline is shorter than a step, the slice killed at it",
+        phases=("step", "deadline"),
+        build=_notice_short_deadline,
+        since=5,
+        multi=True,
+    ),
+)
+CATALOGUE = CATALOGUE + MULTI_ONLY + NOTICES
 BY_NAME = {s.name: s for s in CATALOGUE}
 
 

@@ -2,7 +2,8 @@
 
 A :class:`RunRecord` is what a run left: its ledger (the lineage of committed steps and batches), every
 commit in the order it happened (recomputed ones included), the report's restores, its outcome and
-final state (leaves by path, on the host), the newest snapshot at its end. ``check`` states each promise
+final state (leaves by path, on the host), the newest snapshot at its end, the notices it was given and what the
+report says each cost. ``check`` states each promise
 as pass, fail or n/a, with the evidence. Pure: numpy only, so a test can feed it any record.
 """
 
@@ -15,9 +16,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["ATOL", "PromiseResult", "RunRecord", "Verdict", "check"]
+__all__ = ["ATOL", "NOTICE_ROOM_S", "PromiseResult", "RunRecord", "Verdict", "check"]
 
 ATOL = 1e-5  # equivalence when the device count changed (tests/integration/test_equivalence.py); else bit for bit
+NOTICE_ROOM_S = 2.0  # a notice at least this far ahead leaves room for a step boundary: the job leaves, live
 Outcome = Literal["finished", "gave_up", "supervisor_lost", "error", "crashed", "hang"]
 Status = Literal["pass", "fail", "n/a"]
 
@@ -45,6 +47,11 @@ class RunRecord:
     bound_s: float = math.inf
     replay_state: Mapping[str, np.ndarray] | None = None  # the run's own device schedule replayed (chaos.replay)
     replay_note: str | None = None  # how the replay was made, or why there is none
+    # the notices given (elastic.chaos.notices): reason, slices, seconds, step, at, deadline (wall clock), refused
+    # (why, or None), could_leave (the supervisor's view as it was taken let the job leave the slice; None: unknown),
+    # killed_at (wall clock: when the chaos runner killed the noticed slice during the run, or None)
+    notices: tuple[Mapping[str, Any], ...] = ()
+    notice_details: tuple[Mapping[str, Any], ...] = ()  # the report's, per notice acted on (matched by its reason)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +311,66 @@ def nothing_lost(run: RunRecord) -> PromiseResult:
     )
 
 
+def _unjudged(notice: Mapping[str, Any], detail: Mapping[str, Any] | None) -> str | None:
+    """Why ``notice`` is outside the zero-recompute promise, or None."""
+    killed = notice.get("killed_at")
+    if notice.get("refused"):
+        return f"refused: {notice['refused']}"
+    if notice["seconds"] < NOTICE_ROOM_S:
+        return f"{notice['seconds']} s ahead, under {NOTICE_ROOM_S} s"
+    if killed is not None and killed < notice["deadline"]:
+        return f"its slice killed {notice['deadline'] - killed:.2f} s before the deadline"
+    if detail is None and not (killed is not None and notice.get("could_leave")):
+        return "not acted on (the run ended first, or the slice was kept at min_slices)"
+    return None
+
+
+def notices_recompute_nothing(run: RunRecord) -> PromiseResult:
+    """A notice taken at least ``NOTICE_ROOM_S`` ahead of its deadline, whose slice was not killed before the deadline,
+    costs no recomputed step: the job left the slice at a step boundary, its live state moved (the report's
+    ``notice_details``). One the job never acted on breaks it too when the job could spare the slice and the slice
+    was killed at its deadline while the run went on; otherwise (the run ended first, the slice kept at
+    ``min_slices``) it is listed, not judged. Any notice, judged or not, breaks no other promise: no step lost or
+    repeated (``exactly_once``), no hang (``no_hang``)."""
+    if not run.notices:
+        return PromiseResult(promise="notices_recompute_nothing", status="n/a", detail="no notice given")
+    details = {d.get("reason"): d for d in run.notice_details}
+    judged, skipped, problems = [], [], []
+    for n in run.notices:
+        detail = details.get(n["reason"])
+        why = _unjudged(n, detail)
+        if why is not None:
+            skipped.append({"reason": n["reason"], "why": why})
+            continue
+        if detail is None:
+            judged.append({"reason": n["reason"], "steps_recomputed": None, "planned": None})
+            problems.append(
+                f"{n['reason']} ({n['seconds']} s ahead): the job could spare slice(s) {n['slices']} but never ran "
+                "without them; they were killed at the deadline while the run went on (the notice was ignored)"
+            )
+            continue
+        judged.append({"reason": n["reason"], **{k: detail.get(k) for k in ("steps_recomputed", "planned", "lead_s")}})
+        if detail.get("steps_recomputed"):
+            problems.append(
+                f"{n['reason']} ({n['seconds']} s ahead, its slice alive to the deadline) cost "
+                f"{detail['steps_recomputed']} recomputed step(s); the job should have left the slice at a step "
+                f"boundary (planned: {detail.get('planned')})"
+            )
+    if not judged:
+        return PromiseResult(
+            promise="notices_recompute_nothing",
+            status="n/a",
+            detail=f"{len(run.notices)} notice(s), none with room whose slice lived to its deadline",
+            evidence={"skipped": skipped},
+        )
+    return _result(
+        "notices_recompute_nothing",
+        problems,
+        f"{len(judged)} notice(s) with room left their slice(s) with nothing recomputed",
+        {"judged": judged, "skipped": skipped},
+    )
+
+
 def check(run: RunRecord, reference: RunRecord | None = None, *, atol: float = ATOL) -> Verdict:
     """Every promise of DESIGN.md on ``run``; ``reference``: the failure-free run of the same target and seed."""
     return Verdict(
@@ -314,5 +381,6 @@ def check(run: RunRecord, reference: RunRecord | None = None, *, atol: float = A
             no_hang(run),
             outcome(run),
             nothing_lost(run),
+            notices_recompute_nothing(run),
         )
     )

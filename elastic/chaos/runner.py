@@ -28,6 +28,7 @@ from elastic.api.job import ElasticJob
 from elastic.chaos.catalogue import HANG_STEP_TIMEOUT_S, JobShape, Schedule, applicable, schedule
 from elastic.chaos.injector import snapshotter_of
 from elastic.chaos.invariants import RunRecord, check
+from elastic.chaos.notices import NoticeGiver, aim_for, view_of
 from elastic.chaos.replay import replay, trail_schedule
 from elastic.chaos.report import ChaosResult, ScheduleResult
 from elastic.chaos.seams import Seams
@@ -272,10 +273,13 @@ class ChaosRunner:
         executed: list[int] = []  # multi-process mode: every commit in order, as the driver accounts it
         trail: list[tuple[int, tuple[int, ...]]] = []  # single-process mode: every commit and the slices it ran on
         multi = cfg.processes is not None
+        notices: NoticeGiver | None = None  # the schedule's notices (both modes), once the job exists
 
         def on_step(step: int, metrics: Any, run: Any) -> None:
             if multi:
                 executed.append(step)
+                if notices is not None:  # multi-process mode: the driver gives them as the group commits their step
+                    notices.reached(step)
             else:
                 trail.append((step, run.slices))
 
@@ -287,7 +291,9 @@ class ChaosRunner:
             faults=plan.plan() if plan is not None else None,
             on_step=on_step,
         )
-        seams = Seams(plan, job) if plan is not None and not multi else None  # multi: every fault is in the plan
+        if plan is not None and plan.notices():
+            notices = NoticeGiver(plan, job, aim_for(job), view_of(job))
+        seams = Seams(plan, job, notices) if plan is not None and not multi else None  # multi: the plan, the notices
         if seams is not None:
             job.during_prepare.append(seams.during)
         loop = seams.loop(t.loop) if seams is not None else t.loop
@@ -315,6 +321,8 @@ class ChaosRunner:
         worker.start()
         worker.join(self.timeout_s)
         seconds = time.monotonic() - t0
+        if notices is not None:
+            notices.close()  # no kill of this run's strikes once it has ended (or is a hang, to be unwound)
         if worker.is_alive():
             self._log.error("chaos_hang", job=job_name, bound_s=self.timeout_s)
             cleanup(job_name)  # its waits are bounded: with its actors gone it should unwind
@@ -353,5 +361,7 @@ class ChaosRunner:
             replay_state=replayed,
             replay_note=replay_note,
             bound_s=self.timeout_s,
+            notices=tuple(dict(n) for n in notices.given) if notices is not None else (),
+            notice_details=tuple(dict(d) for d in report.notice_details),
         )
         return record, sum(e["event"].startswith("inject_") for e in job.timeline.events)

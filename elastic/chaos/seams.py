@@ -5,7 +5,9 @@
 loop receives fires ``step`` faults as each step starts (after ``elastic.Faults``' own), ``mid_step``
 faults before ``commit`` waits for the step, and ``snapshot`` faults right after it. It also records
 every commit in order (recomputed ones included), which the bounded-loss check reads. ``Seams.during`` is
-the job's ``during_prepare`` hook: it fires the ``restore`` / ``reshard`` / ``grow`` faults inside the move.
+the job's ``during_prepare`` hook: it fires the ``restore`` / ``reshard`` / ``grow`` faults inside the move. A
+notice due at any of these phases is handed to the schedule's :class:`~elastic.chaos.notices.NoticeGiver`, and the
+loop waits until it is taken.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from elastic.api.run import Run
 from elastic.chaos.catalogue import ChaosFault, Schedule
 from elastic.chaos.faults import Fault, Faults
 from elastic.chaos.injector import FaultInjector, snapshotter_of
+from elastic.chaos.notices import NoticeGiver
 from elastic.log import get_logger
 from elastic.snapshot.testing import flip_byte
 
@@ -30,9 +33,10 @@ HOLD_S = 5.0  # past heartbeat_timeout_s: how long a silenced slice's step waits
 
 
 class Seams:
-    def __init__(self, schedule: Schedule, job: ElasticJob) -> None:
+    def __init__(self, schedule: Schedule, job: ElasticJob, notices: NoticeGiver | None = None) -> None:
         self._job = job
-        self._pending = list(schedule.seams())
+        self._notices = notices
+        self._pending = list(schedule.seams()) + [f for f in schedule.notices() if f.kind == "notice"]
         self._silences = {f.at_step: f.slice for f in schedule.faults if f.kind == "silence"}
         self._injector = FaultInjector(
             Faults(),
@@ -79,6 +83,8 @@ class Seams:
         loop has reached its step)."""
         if phase == "step":
             self._reached = max(self._reached, step)
+            if self._notices is not None and step == self._job.config.num_steps - 1:
+                self._notices.hold()  # a deadline strikes inside the run, however fast it went
             if step in self._silences:
                 self._hold(run, self._silences.pop(step))
         due = [
@@ -93,7 +99,10 @@ class Seams:
 
     def _inject(self, fault: ChaosFault, run: Run | None, step: int) -> None:
         self._log.warning("chaos_fault", kind=fault.kind, phase=fault.phase, slice=fault.slice, step=step)
-        if fault.kind in ("supervisor_restart", "supervisor_lost"):
+        if fault.kind == "notice":
+            assert self._notices is not None, "a schedule with notices needs its NoticeGiver"
+            self._notices.give(fault, step, wait=True)
+        elif fault.kind in ("supervisor_restart", "supervisor_lost"):
             for_good = fault.kind == "supervisor_lost"
             self._job.timeline.add(f"inject_{fault.kind}", step=step)
             self._job.report.failures_injected += 1

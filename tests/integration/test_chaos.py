@@ -202,3 +202,77 @@ def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(elastic
     assert forming.record.outcome == "finished" and forming.record.restores, forming.record
     assert [f.kind for f in restart.schedule.faults] == ["supervisor_restart", "kill"] and restart.injected == 2
     assert restart.record.outcome == "finished" and restart.record.restores and restart.recovered, restart.record
+
+
+NOTICES = [
+    "notice_then_kill",
+    "notice_early_death",
+    "notice_during_restore",
+    "staggered_notices",
+    "notice_short_deadline",
+]
+
+
+def _details(run) -> dict:  # noqa: ANN001
+    """The report's figure of each notice the run was given, by the notice's reason."""
+    by_reason = {d["reason"]: d for d in run.record.notice_details}
+    return {n["reason"]: (n, by_reason.get(n["reason"])) for n in run.record.notices}
+
+
+@pytest.mark.timeout(300)
+def test_notices_in_the_catalogue(elastic_chaos, ray_local):
+    """Each notice scenario, single-process: a notice with room leaves its slice at a step boundary (nothing
+    recomputed, nothing restored), its slice killed at the deadline after the job left it; a slice that dies before
+    the job could leave it, or whose deadline is shorter than a step, takes the failure path; a notice in a restore,
+    and two notices a step or two apart, leave their slices too. No step lost or repeated, no hang."""
+    result = elastic_chaos(seed=3, schedules=5, steps=24, scenarios=NOTICES)
+    assert result.ok, result.violations
+    runs = {r.schedule.scenario: r for r in result.results}
+    assert sorted(runs) == sorted(NOTICES)
+    for name, r in runs.items():
+        assert r.recovered and {p.status for p in r.verdict.promises} <= {"pass", "n/a"}, (name, r.verdict)
+        assert len(r.record.notices) == sum(f.kind == "notice" for f in r.schedule.faults), name
+
+    then = runs["notice_then_kill"]
+    ((notice, detail),) = _details(then).values()
+    assert notice["refused"] is None and notice["killed_at"] >= notice["deadline"], notice  # struck in the run
+    assert detail["planned"] and detail["steps_recomputed"] == 0, detail
+    assert then.record.recomputed == 0 and not then.record.restores and then.injected == 2
+    assert then.verdict["notices_recompute_nothing"].status == "pass"
+
+    early = runs["notice_early_death"]
+    ((notice, detail),) = _details(early).values()
+    assert notice["killed_at"] < notice["deadline"] and early.record.restores, early.record  # the failure path
+    assert early.verdict["notices_recompute_nothing"].status == "n/a"
+
+    restore = runs["notice_during_restore"]
+    ((notice, detail),) = _details(restore).values()
+    assert len(restore.record.restores) == 1 and restore.record.min_slices_seen == 2, restore.record
+    assert detail["planned"] and detail["steps_recomputed"] == 0, detail  # left live after the restore
+
+    staggered = runs["staggered_notices"]
+    both = list(_details(staggered).values())
+    assert len(both) == 2 and all(d["planned"] and d["steps_recomputed"] == 0 for _, d in both), both
+    assert not staggered.record.restores and staggered.record.min_slices_seen == 2
+
+    short = runs["notice_short_deadline"]
+    ((notice, detail),) = _details(short).values()
+    assert notice["seconds"] < 0.2 and notice["killed_at"] is not None, notice
+    assert short.verdict["notices_recompute_nothing"].status == "n/a"  # no room: the failure path, or a leave
+
+
+@pytest.mark.timeout(300)
+def test_a_notice_then_a_kill_at_its_deadline_in_multi_process_mode(elastic_chaos, ray_local):
+    """Multi-process: the driver gives the notice from a thread; the leaving worker donates what only it holds and
+    exits; the process it ran in is killed at the deadline. Nothing recomputed, nothing restored."""
+    result = elastic_chaos(
+        target="elastic.demos.chaos:process_target", seed=3, schedules=1, steps=16, scenarios=["notice_then_kill"]
+    )
+    assert result.ok, result.violations
+    (run,) = result.results
+    ((notice, detail),) = _details(run).values()
+    assert notice["refused"] is None and detail is not None, (notice, run.record.notice_details)
+    assert notice["killed_at"] >= notice["deadline"] and run.injected == 2, notice  # the driver's last commit waited
+    assert detail["planned"] and detail["steps_recomputed"] == 0, detail
+    assert run.record.recomputed == 0 and not run.record.restores, run.record
+    assert run.verdict["notices_recompute_nothing"].status == "pass"

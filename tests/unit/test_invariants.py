@@ -69,7 +69,9 @@ def test_a_clean_run_keeps_every_promise():
         "no_hang",
         "outcome",
         "nothing_lost",
+        "notices_recompute_nothing",
     }
+    assert verdict["notices_recompute_nothing"].status == "n/a"  # no notice given
     assert verdict["bounded_loss"].evidence["rollbacks"] == [
         {"from": 13, "to": 10, "lost": 3, "tier": "memory", "bound": 5}
     ]
@@ -206,3 +208,64 @@ def test_a_give_up_before_the_second_boundary_may_hold_no_snapshot():
     later = replace(early, executed=tuple(range(6)), steps=tuple(range(6)), batches=tuple(range(6)))
     assert "no snapshot at the end" in failed(later)["nothing_lost"]  # 6 steps reached: the snapshot at 0 must remain
     assert "no snapshot at the end" in failed(replace(early, outcome="finished", expect="finish"))["nothing_lost"]
+
+
+def notice(reason: str = "chaos notice 0: slice 2 at step 6", seconds: float = 5.0, **overrides) -> dict:
+    """A notice the chaos runner gave at wall clock 1000.0 (``killed_at``: when it killed the slice, or None)."""
+    given = {"reason": reason, "slices": [2], "seconds": seconds, "step": 6, "at": 1000.0, "deadline": 1000.0 + seconds}
+    return given | {"refused": None, "could_leave": True, "killed_at": None} | overrides
+
+
+def detail(reason: str = "chaos notice 0: slice 2 at step 6", recomputed: int = 0, planned: bool = True) -> dict:
+    """What the report's notice_details says of it."""
+    said = {"source": "api", "reason": reason, "slices": [2], "lead_s": 5.0, "steps_recomputed": recomputed}
+    return said | {"planned": planned, "running_on_rest_s": 0.4, "epoch": 3}
+
+
+LEFT = dict(executed=tuple(range(N)), recomputed=0, restores=(), min_slices_seen=3)  # left at a boundary, no rollback
+
+
+def test_a_notice_with_room_whose_slice_lived_to_its_deadline_recomputes_nothing():
+    kept = record(**LEFT, notices=(notice(killed_at=1005.2),), notice_details=(detail(),))  # killed at the deadline
+    verdict = check(kept, REFERENCE)
+    assert verdict.ok, verdict.failed
+    assert verdict["notices_recompute_nothing"].status == "pass"
+    assert verdict["notices_recompute_nothing"].evidence["judged"][0]["steps_recomputed"] == 0
+    broken = record(notices=(notice(),), notice_details=(detail(recomputed=3, planned=False),))  # the failure path
+    assert "cost 3 recomputed step(s)" in failed(broken)["notices_recompute_nothing"]
+    late = record(notices=(notice(killed_at=1005.0),), notice_details=(detail(recomputed=3),))
+    assert "notices_recompute_nothing" in failed(late)  # killed at the deadline exactly: not before it
+
+
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [
+        (notice(killed_at=1000.1), "killed 4.90 s before the deadline"),  # it died before the job could leave
+        (notice(seconds=0.05), "under 2.0 s"),  # a deadline shorter than a step
+        (notice(refused="notice refused: its deadline passed 0.0s ago"), "refused"),
+        (notice(reason="chaos notice 1: slice 2 at step 38"), "not acted on"),  # no detail: the run ended first
+        (notice(reason="chaos notice 1", could_leave=False, killed_at=1005.1), "not acted on"),  # kept: min_slices
+        (notice(reason="chaos notice 1", could_leave=None, killed_at=1005.1), "not acted on"),  # not known
+    ],
+)
+def test_a_notice_without_room_is_listed_not_judged(given, why):
+    run = record(notices=(given,), notice_details=(detail(recomputed=3, planned=False),))
+    result = check(run, REFERENCE)["notices_recompute_nothing"]
+    assert result.status == "n/a" and why in result.evidence["skipped"][0]["why"], result
+
+
+def test_notices_judged_apart_one_with_room_one_killed_early():
+    run = record(
+        notices=(notice(), notice(reason="chaos notice 1: slice 3 at step 7", killed_at=1000.2)),
+        notice_details=(detail(), detail(reason="chaos notice 1: slice 3 at step 7", recomputed=3, planned=False)),
+    )
+    result = check(run, REFERENCE)["notices_recompute_nothing"]
+    assert result.status == "pass" and len(result.evidence["judged"]) == 1 and len(result.evidence["skipped"]) == 1
+
+
+def test_a_notice_the_job_ignored_breaks_the_promise_once_its_slice_is_killed_at_the_deadline():
+    """The job could spare the slice, was told 5 s ahead, and still ran on it when it was killed: no detail at all
+    (the failure path took the slice), which only this promise sees: the ledger and the snapshots are whole."""
+    ignored = record(notices=(notice(killed_at=1005.1),), notice_details=())
+    assert "the notice was ignored" in failed(ignored)["notices_recompute_nothing"]
+    assert set(failed(ignored)) == {"notices_recompute_nothing"}
