@@ -608,16 +608,33 @@ class ProcessPlacement:
         if self._final is None:
             return None
         plan = self._final
-        got = self._ask({s: self._handles[s] for s in plan.members}, "final_pieces", timeout=120.0)
+        refs = {self._handles[s].final_pieces.remote(): s for s in plan.members}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=120.0)
+        got: dict[int, Any] = {}
+        for ref in ready:
+            try:
+                got[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError:  # died after the last step: the others may hold its regions
+                continue
+        if not got:
+            raise ElasticError(f"no worker of the final group {sorted(plan.members)} answered for the final state")
         abstract = jax.eval_shape(self._spec.init_fn, jax.random.key(self.config.seed))
         treedef = jax.tree_util.tree_structure(abstract)
-        layout = got[plan.members[0]]["layout"]
+        layout = next(iter(got.values()))["layout"]
         out = []
         for i, (shape, dtype, key_impl) in enumerate(layout):
             full = np.empty(tuple(shape), dtype=np.dtype(dtype))
-            for s in plan.members:
-                for index, data in got[s]["pieces"][i]:
-                    full[tuple(slice(a, b) for a, b in index)] = data
+            filled = np.zeros(tuple(shape), dtype=bool)
+            for answer in got.values():
+                for index, data in answer["pieces"][i]:
+                    where = tuple(slice(a, b) for a, b in index)
+                    full[where], filled[where] = data, True
+            if not filled.all():
+                gone = sorted(set(plan.members) - set(got))
+                raise ElasticError(
+                    f"the final state's leaf {i} is incomplete: slice(s) {gone} died after the last step and held "
+                    "the only copy of part of it (the job's last Orbax step, or save_final_to, has it whole)"
+                )
             out.append(full if key_impl is None else jax.random.wrap_key_data(full, impl=key_impl))  # type: ignore[arg-type]  # host data
         return jax.tree_util.tree_unflatten(treedef, out)
 
