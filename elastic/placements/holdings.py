@@ -257,10 +257,6 @@ class Holdings:
             out.append((bounds, np.array(data[cut], copy=True)))
         return out
 
-    def image(self, step: int) -> HostImage | None:
-        """This worker's own generation of ``step``, if held."""
-        return self._images(step)[0]
-
     def forget_after(self, step: int) -> None:
         """Drop every generation past ``step`` (they belong to a future the job rolled back from)."""
         with self._lock:

@@ -155,7 +155,6 @@ class ProcessPlacement:
         self._stats: dict[str, Any] = {}  # the lead's latest snapshot counters
         self._snapshots: dict[int, dict[str, Any]] = {}  # slice -> its snapshot counters at its last pass end
         self._final: Any = None
-        self._failed_at: float | None = None
         self.figures: dict[str, Any] = {
             "mode": "multi-process",
             "worker_processes_restarted": 0,
@@ -499,7 +498,6 @@ class ProcessPlacement:
         self._gone |= lost
         failed = sorted(lost | {s for s, r in results.items() if r["status"] in ("failed", "hung")})
         if failed:
-            self._failed_at = time.time()
             self._recovering = True
             self.figures["survivors_lost"] += len(self._collateral(lost - self._targeted(plan, lost)))
             if not lost and all(results[s]["status"] == "hung" for s in failed):

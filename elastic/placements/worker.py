@@ -107,7 +107,6 @@ class GroupPlan:
     record_calls: bool = False  # report the jitted calls of this pass for standby compiles
     fault_floor: int = -1  # faults at or below this step fired already (a recomputed step does not fire again)
     loop: Any = None
-    meta_hint: dict[str, Any] = field(default_factory=dict)
     donors: dict[int, Any] = field(default_factory=dict)
 
 
