@@ -70,7 +70,7 @@ Phase = Literal[
     "notice",
     "deadline",
 ]
-Kind = Literal[
+ChaosKind = Literal[
     "kill",
     "revive",
     "silence",
@@ -83,7 +83,6 @@ Kind = Literal[
     "notice",
 ]
 Expect = Literal["finish", "give_up", "supervisor_lost"]
-DURING: tuple[Phase, ...] = ("restore", "reshard", "grow")  # phases inside a move of the state
 PLAN_KINDS = ("kill", "revive", "silence", "transient", "hang")  # what elastic.Faults injects at phase "step"
 WORKER_PHASES = {"mid_step": "collective", "forming": "forming", "restore": "restore"}  # multi-process kills placed
 NOTICE_PHASES: tuple[Phase, ...] = ("notice", "deadline")  # a kill that follows a notice for its slice
@@ -97,7 +96,7 @@ class ChaosFault:
     straggler's delay, a notice's deadline (from when it is given). A ``hang`` with a ``slice`` leaves that slice
     wedged (down until revived); without one every slice stays healthy."""
 
-    kind: Kind
+    kind: ChaosKind
     at_step: int
     phase: Phase = "step"
     slice: int | None = None

@@ -15,16 +15,16 @@ from elastic.errors import ConfigError
 
 __all__ = ["Fault", "Faults"]
 
-Kind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang", "supervisor_restart"]
+FaultKind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang", "supervisor_restart"]
 
 
 During = Literal["step", "collective", "forming", "restore"]
-DURING: tuple[str, ...] = ("step", "collective", "forming", "restore")
+KILL_MOMENTS: tuple[str, ...] = ("step", "collective", "forming", "restore")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    kind: Kind
+    kind: FaultKind
     at_step: int
     slice: int | None = None
     during: During = "step"  # multi-process kills: as the step starts, inside its collectives, or in a re-formation
@@ -43,8 +43,8 @@ class Faults:
         Multi-process mode only, ``during`` places the worker's SIGKILL elsewhere: ``"collective"``, a moment
         into the step (its computation and collectives in flight); ``"forming"`` / ``"restore"``, in the first
         re-formation of the group once the job has reached ``at_step``, as the group forms or as it restores."""
-        if during not in DURING:
-            raise ConfigError(f"kill_slice during={during!r}: choose one of {', '.join(DURING)}")
+        if during not in KILL_MOMENTS:
+            raise ConfigError(f"kill_slice during={during!r}: choose one of {', '.join(KILL_MOMENTS)}")
         return self._add(Fault(kind="kill", slice=slice, at_step=at_step, during=during))
 
     def revive_slice(self, slice: int, *, at_step: int, hold: bool = True) -> Faults:
