@@ -242,7 +242,7 @@ class _SkipCounter(logging.Handler):
 
 
 def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str, float]:
-    import elastic.api.run as run_module
+    import elastic.loop.run as run_module
     from elastic import ElasticConfig, ElasticJob, Policy
 
     init, step = make(width)

@@ -62,7 +62,7 @@ _WHERE = {
     "ElasticJob": "api.job",
     "JobResult": "api.job",
     "Faults": "chaos.faults",
-    "Run": "api.run",
+    "Run": "loop.run",
     "Report": "control.report",
     "Trainer": "api.trainer",
     "OptaxStep": "api.trainer",

@@ -22,7 +22,7 @@ trap (only once ``flax.nnx`` is imported).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +30,11 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from elastic.errors import ConfigError
+from elastic.loop.nnx_check import check_functional
 
 try:
     from flax import nnx
     from flax.core import spmd as flax_spmd
-    from flax.nnx.transforms import compilation as nnx_compilation
 except ImportError as err:  # flax is optional
     raise ConfigError("elastic.api.flax_nnx needs flax: pip install 'jax-elastic[flax]' (flax>=0.12.8)") from err
 
@@ -42,13 +42,6 @@ __all__ = ["AxisRules", "NnxAdapter", "check_functional", "check_rules", "mesh_s
 
 AxisRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 """Annotation axis name -> mesh axis (or axes, or None: replicated), as flax's logical axis rules."""
-
-_FIX = (
-    "use elastic.api.flax_nnx.NnxAdapter(...).step(train_step) with run.jit (it merges, runs and splits the "
-    "module inside the jit; further NNX objects the step takes, metrics..., go into the state with "
-    "NnxAdapter(extras_fn=...)), or pass the @nnx.jit function to run.guard with every object it takes merged "
-    "from run.state in each pass"
-)
 
 
 def check_rules(rules: AxisRules) -> tuple[tuple[str, Any], ...]:
@@ -190,49 +183,3 @@ class NnxAdapter:
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def _nnx_transform(fn: Any) -> Any | None:
-    """The NNX-transformed function (``nnx.jit``) ``fn`` is, or wraps (``functools.wraps``, ``jax.jit``)."""
-    seen = 0
-    while fn is not None and seen < 8:
-        if isinstance(fn, (nnx_compilation.JitWrapped, nnx_compilation.SimpleJitWrapped)):
-            return fn
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
-    return None
-
-
-def _graph_nodes(args: Iterable[Any]) -> list[str]:
-    is_node = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731 - Module, Optimizer, Rngs, streams, metrics
-    found = []
-    for i, arg in enumerate(args):
-        for leaf in jax.tree_util.tree_leaves(arg, is_leaf=is_node):
-            if is_node(leaf):
-                found.append(f"argument {i}: {type(leaf).__name__}")
-    return found
-
-
-def check_functional(
-    fn: Any, args: tuple[Any, ...] | None = None, kwargs: Mapping[str, Any] | None = None, *, where: str = "run.jit"
-) -> bool:
-    """Refuse (``ConfigError``) NNX code that ``jax.jit`` would run with its in-place updates dropped: ``fn``
-    an ``nnx.jit`` function given to ``run.jit`` (``args is None``), or a ``jax.jit`` function called with NNX
-    graph nodes (``nn.Module``, ``nnx.Optimizer``, ``nnx.Rngs``...) in ``args``/``kwargs``. True when ``fn`` is
-    itself an NNX transform (it keeps its updates: nothing to check)."""
-    transform = _nnx_transform(fn)
-    if args is None:
-        if transform is not None:
-            raise ConfigError(
-                f"{where} got {_name(fn)}, an nnx.jit function: jax.jit would drop its in-place "
-                f"updates to the model and optimizer and silently train nothing; {_FIX}"
-            )
-        return False
-    if transform is not None:
-        return True
-    nodes = _graph_nodes([*args, *(kwargs or {}).values()])
-    if nodes:
-        raise ConfigError(
-            f"{where}: {_name(fn)} was called with NNX graph nodes ({', '.join(nodes[:4])}): under "
-            f"jax.jit their in-place updates are dropped and nothing trains; {_FIX}"
-        )
-    return False

@@ -19,10 +19,8 @@ import structlog
 from jax.sharding import Mesh
 
 from elastic import runtime
-from elastic.api import orbax_io
-from elastic.api.run import Run
-from elastic.api.shardings import check_splits, replicate_all, state_shardings
 from elastic.config import ElasticConfig, check_batch_splits
+from elastic.control import orbax_io
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup, connect
 from elastic.control.controller import Controller, JobResult, StepCallback
@@ -34,6 +32,8 @@ from elastic.control.tokens import job_token
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
 from elastic.errors import ConfigError, ElasticError, NoticeError
 from elastic.log import configure_logging, get_logger
+from elastic.loop.run import Run
+from elastic.loop.shardings import check_splits, replicate_all, state_shardings
 from elastic.placements.local import LocalPlacement
 from elastic.snapshot import SnapshotInfo
 from elastic.supervision import events
@@ -92,7 +92,7 @@ class ElasticJob:
     the loop splits a batch that does not divide over the devices into micro-batches (as ``Trainer`` with
     ``optax_step`` does), so ``config.global_batch_size`` need not divide every device count.
     ``init_from``: an Orbax checkpoint whose state replaces ``init_fn``'s at step 0; ``save_final_to``: a new
-    directory the final state is written to with Orbax at the end (see :mod:`elastic.api.orbax_io`).
+    directory the final state is written to with Orbax at the end (see :mod:`elastic.control.orbax_io`).
     ``record_dir`` (default ``$ELASTIC_RECORD_DIR``): at close, the run's event stream and report are written
     to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.supervision.events`).
     """

@@ -47,9 +47,9 @@ from jax.sharding import Mesh
 
 from elastic import runtime
 from elastic.api.job import ElasticJob, FaultPlan, JobResult, ShardingsFn, StepCallback
-from elastic.api.run import Run, batch_rows
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
+from elastic.loop.run import Run, batch_rows
 
 __all__ = ["MicrobatchAux", "OptaxStep", "StepRunner", "Trainer", "TrainerLoop", "example_keys", "optax_step"]
 

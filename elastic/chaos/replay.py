@@ -24,8 +24,8 @@ import jax
 from jax.sharding import Mesh
 
 from elastic import runtime
-from elastic.api.run import LiveState, Regroup, Run
 from elastic.config import ElasticConfig
+from elastic.loop.run import LiveState, Regroup, Run
 from elastic.supervision.membership import View
 
 __all__ = ["replay", "trail_schedule"]
@@ -40,7 +40,7 @@ def trail_schedule(trail: Sequence[tuple[int, tuple[int, ...]]]) -> dict[int, tu
 
 
 class _ReplayHost:
-    """What :class:`~elastic.api.run.Run` asks of its host, answered from a fixed schedule: a pass ends where
+    """What :class:`~elastic.loop.run.Run` asks of its host, answered from a fixed schedule: a pass ends where
     the next step's slices differ (as a live move would), and nothing else happens."""
 
     def __init__(self, config: ElasticConfig, schedule: dict[int, tuple[int, ...]]) -> None:

@@ -19,12 +19,12 @@ from typing import Any
 import ray
 
 from elastic.api.job import ElasticJob
-from elastic.api.run import Run
 from elastic.chaos.catalogue import ChaosFault, Schedule
 from elastic.chaos.faults import Fault, Faults
 from elastic.chaos.injector import FaultInjector, snapshotter_of
 from elastic.chaos.notices import NoticeGiver
 from elastic.log import get_logger
+from elastic.loop.run import Run
 from elastic.snapshot.testing import flip_byte
 
 __all__ = ["Seams"]

@@ -21,7 +21,6 @@ from typing import Any, cast
 import ray
 
 from elastic import runtime
-from elastic.api import markers
 from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
@@ -53,6 +52,7 @@ from elastic.control.transitions import (
 from elastic.control.watcher import ViewWatcher
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError
 from elastic.log import get_logger
+from elastic.loop import markers
 from elastic.supervision.membership import View
 from elastic.supervision.notices import past_deadline
 
@@ -322,7 +322,7 @@ class Controller:
         return self._acct.meta(extras, self.config.seed)
 
     def wait_for_standbys(self, timeout: float) -> bool:
-        """Until the standby compiles asked for so far, and the step markers' (:mod:`elastic.api.markers`), are
+        """Until the standby compiles asked for so far, and the step markers' (:mod:`elastic.loop.markers`), are
         done (tests and benchmarks)."""
         deadline = time.monotonic() + timeout
         ready = self._placement.wait_for_standbys(timeout)

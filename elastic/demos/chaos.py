@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic.api.run import Run
 from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, train_step
+from elastic.loop.run import Run
 
 __all__ = ["demo_target", "process_target"]
 

@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from elastic.api.job import ElasticJob
-from elastic.api.run import Run
 from elastic.chaos.faults import Faults
 from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, max_abs_diff, train_step
+from elastic.loop.run import Run
 
 __all__ = ["BATCH", "ProcessDemoSpec", "loop", "process_config", "reference_params", "run_process_demo"]
 

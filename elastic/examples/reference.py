@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from elastic import runtime
 from elastic.api.job import ElasticJob
-from elastic.api.run import Run
+from elastic.loop.run import Run
 
 __all__ = ["Placements", "ReferenceProcess", "run_reference", "run_reference_processes"]
 
@@ -103,7 +103,7 @@ class ReferenceProcess:
             [runtime.Slice(index=p, devices=tuple(d for d in devices if d.process_index == p)) for p in range(size)],
             mesh_fn,
         )
-        from elastic.api.shardings import state_shardings
+        from elastic.loop.shardings import state_shardings
 
         shardings = state_shardings(abstract, shardings_fn, mesh)
         state = jax.tree_util.tree_map(lambda x, s: _place(x, s), host_state, shardings)

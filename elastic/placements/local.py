@@ -18,11 +18,11 @@ import jax
 from jax.sharding import Mesh
 
 from elastic import runtime
-from elastic.api.run import LiveState, Regroup, Run
 from elastic.config import ElasticConfig
-from elastic.control.pass_host import PassHost
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
 from elastic.control.tiers import TierSet
+from elastic.loop.host import PassHost
+from elastic.loop.run import LiveState, Regroup, Run
 from elastic.supervision.membership import View
 from elastic.supervision.notices import move_bound
 
@@ -249,7 +249,7 @@ class LocalPlacement:
         """Write the final state to ``path`` with Orbax (this process holds every shard)."""
         from etils import epath
 
-        from elastic.api import orbax_io
+        from elastic.control import orbax_io
 
         orbax_io.save_final(epath.Path(path), self._state)
 

@@ -7,7 +7,7 @@ with its peers: the driver (:mod:`elastic.placements.processes`) hands every mem
 :class:`GroupPlan`; :meth:`SliceWorker.prepare` joins the group's ``jax.distributed`` runtime in place (the
 previous group left, same process), builds the mesh over every member's devices, and restores the state
 (:mod:`elastic.placements.restore`); :meth:`SliceWorker.run_pass` runs the loop with the same
-:class:`~elastic.api.run.Run` as single-process mode, its host a :class:`~elastic.control.pass_host.PassHost`
+:class:`~elastic.loop.run.Run` as single-process mode, its host a :class:`~elastic.loop.host.PassHost`
 whose snapshots go to this worker's :class:`~elastic.placements.holdings.Holdings` (the buddy copy in the next
 member's process, keeper parts, Orbax checkpoints written by every worker). A collective broken by a dead peer
 (:func:`runtime.distributed.is_peer_loss`) ends the pass with status ``failed``; the worker waits for the next
@@ -31,12 +31,12 @@ import jax
 import ray
 
 from elastic import priority, runtime
-from elastic.api.run import Regroup, Run
-from elastic.api.shardings import replicate_all, state_shardings
 from elastic.config import ElasticConfig
-from elastic.control.pass_host import PassHost
 from elastic.control.report import Ledger
 from elastic.log import get_logger
+from elastic.loop.host import PassHost
+from elastic.loop.run import Regroup, Run
+from elastic.loop.shardings import replicate_all, state_shardings
 from elastic.placements.group_tiers import GroupTiers
 from elastic.placements.holdings import Holdings
 from elastic.placements.restore import Layout, covers, layout_of, restore_state
@@ -428,7 +428,7 @@ class SliceWorker:
     def _restore(self, plan: GroupPlan, abstract: Any, shardings: Any) -> tuple[Any, dict[str, Any] | None]:
         if plan.source == "fresh":
             if self._spec.init_from is not None:
-                from elastic.api import orbax_io
+                from elastic.control import orbax_io
 
                 path, _ = orbax_io.resolve(self._spec.init_from)
                 state = orbax_io.restore_onto(path, abstract, shardings)
@@ -699,7 +699,7 @@ class SliceWorker:
         check_control(self._control, token, "save_final", self._log)
         from etils import epath
 
-        from elastic.api import orbax_io
+        from elastic.control import orbax_io
 
         orbax_io.save_final(epath.Path(path), self._final)
 

@@ -20,12 +20,12 @@ from typing import Any
 import ray
 
 from elastic import priority
-from elastic.config import NoticeSources
 from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
 from elastic.supervision.maintenance import MaintenanceListener
+from elastic.supervision.sources import NoticeSources
 
 __all__ = ["SliceAgent", "SliceGroupAgent", "check_control"]
 

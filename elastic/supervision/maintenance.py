@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 
-from elastic.config import NoticeSources
 from elastic.log import get_logger
+from elastic.supervision.sources import NoticeSources
 
 __all__ = ["KEYS", "MaintenanceListener", "maintenance_reason"]
 

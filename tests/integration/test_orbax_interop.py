@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from elastic import ConfigError, ElasticJob, Faults
-from elastic.api.orbax_io import checkpoint_step
+from elastic.control.orbax_io import checkpoint_step
 from elastic.demos.demo import batch, init_params, loss_fn
 
 from .helpers import config, max_abs_diff

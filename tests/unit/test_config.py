@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from elastic.api.run import batch_rows
 from elastic.config import ElasticConfig, Policy, Tiers, check_batch_splits
 from elastic.errors import ConfigError, ElasticError, GiveUpError, RecoveryTimeoutError, SupervisorError
+from elastic.loop.run import batch_rows
 from elastic.runtime.guard import StepHungError
 from elastic.runtime.reshard import StructureError
 from elastic.runtime.topology import TopologyError

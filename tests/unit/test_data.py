@@ -1,4 +1,4 @@
-"""Data positions in the snapshot (elastic.api.data, Run.data/batches): real Grain iterators, no cluster."""
+"""Data positions in the snapshot (elastic.loop.data, Run.data/batches): real Grain iterators, no cluster."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from elastic import ElasticConfig, Policy, Run
-from elastic.api.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
 from elastic.errors import ConfigError, ElasticError
+from elastic.loop.data import POSITIONS_KEY, from_plain, open_data, record_positions, to_plain
 from elastic.runtime import build_mesh, simulated_topology
 from elastic.snapshot.persistent import _decode, _encode
 from elastic.supervision.membership import View

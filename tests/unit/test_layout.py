@@ -8,15 +8,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ELASTIC = ROOT / "elastic"
 # What each side of elastic/ may import of elastic's other sides (the top-level modules are shared by all).
-SIDES = {
+SIDES = {  # one way, top to bottom: api -> placements -> control -> loop -> supervision (and ops, chaos beside)
     "supervision": set(),  # runs in Ray actors: nothing of the client's
-    "api": {"control", "supervision", "placements"},
-    "control": {"supervision", "api", "placements"},
-    "placements": {"control", "supervision", "api"},
-    "chaos": {"api", "control", "supervision", "placements"},
+    "loop": {"supervision"},  # the pass runtime: the user's loop, in the client or a worker
+    "control": {"supervision", "loop"},
+    "placements": {"control", "supervision", "loop"},
+    "api": {"control", "supervision", "placements", "loop"},  # the composition root: what the user imports
+    "chaos": {"api", "control", "supervision", "placements", "loop"},
     "ops": {"control", "supervision", "api"},
-    "demos": {"api", "chaos", "control", "ops", "placements", "supervision"},
-    "examples": {"api", "demos", "ops", "chaos", "control"},
+    "demos": {"api", "chaos", "control", "ops", "placements", "supervision", "loop"},
+    "examples": {"api", "demos", "ops", "chaos", "control", "loop"},
 }
 
 

@@ -11,8 +11,8 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from elastic.api import markers
-from elastic.api.markers import StepMarkers
+from elastic.loop import markers
+from elastic.loop.markers import StepMarkers
 
 _COMPILES: list[float] = []  # every backend compile in this process, from the import on
 jax.monitoring.register_event_duration_secs_listener(

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from elastic.api.data import DataIterator, Source, open_data, record_positions
-from elastic.api.markers import StepMarkers
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.errors import ConfigError
+from elastic.loop.data import DataIterator, Source, open_data, record_positions
+from elastic.loop.markers import StepMarkers
 from elastic.runtime import batch_sharding, guarded, hangs, held_bytes, release, wait_ready
 from elastic.supervision.membership import View
 
@@ -208,7 +208,7 @@ class Run:
         """Confirm the oldest unconfirmed steps, in order, until ``keep`` remain.
 
         A step whose state was donated to the next one before it was confirmed (and that committed no metrics)
-        is waited on through its marker (:mod:`elastic.api.markers`); one with nothing left to wait on (no marker)
+        is waited on through its marker (:mod:`elastic.loop.markers`); one with nothing left to wait on (no marker)
         is covered by the next wait that has something, which gets each step it covers its own ``step_timeout_s``."""
         while len(self._unconfirmed) > keep:
             u = self._unconfirmed[0]
@@ -242,7 +242,7 @@ class Run:
         """An iterator over ``source`` (a pipeline such as a grain ``DataLoader``/``IterDataset``, or a function
         building an iterator with ``get_state``/``set_state``) positioned where the committed steps left it:
         at the restored snapshot's position, or the last commit's on a live reshard. Call it once per pass and
-        ``next()`` it inside each step, before ``commit`` (see :mod:`elastic.api.data`)."""
+        ``next()`` it inside each step, before ``commit`` (see :mod:`elastic.loop.data`)."""
         if name in self._data:
             raise ConfigError(f"run.data(name={name!r}) was already opened in this pass: give each pipeline its name")
         self._data[name] = open_data(
@@ -310,10 +310,10 @@ class Run:
 
 
 def _check_functional(fn: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None, *, where: str) -> bool:
-    """``elastic.api.flax_nnx.check_functional`` once NNX is imported (flax is optional); else nothing to check."""
+    """``elastic.loop.nnx_check.check_functional`` once NNX is imported (flax is optional); else nothing to check."""
     if "flax.nnx" not in sys.modules:
         return False
-    from elastic.api.flax_nnx import check_functional
+    from elastic.loop.nnx_check import check_functional
 
     return check_functional(fn, args, kwargs, where=where)
 

@@ -1,10 +1,10 @@
 """What a pass of the user's loop talks to, in whichever process runs the loop (the client in single-process
-mode, each worker in multi-process mode): the :class:`~elastic.api.run.RunHost` of one pass.
+mode, each worker in multi-process mode): the :class:`~elastic.loop.run.RunHost` of one pass.
 
 It keeps the rules both modes share: a snapshot is requested every ``snapshot_every`` steps, after the last
 step, and at the first commit after a restore (the restored generation lost its copies on the dead slices);
 at a step boundary where the view changed, the state is snapshotted there (unless that step's snapshot was
-just requested) and the pass ends with :class:`~elastic.api.run.Regroup`. Where the snapshot goes, what a
+just requested) and the pass ends with :class:`~elastic.loop.run.Regroup`. Where the snapshot goes, what a
 commit is recorded in, and how the view is known are the mode's (the callables it is built with).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from elastic.api.run import LiveState, Regroup, Run
 from elastic.config import ElasticConfig
+from elastic.loop.run import LiveState, Regroup, Run
 from elastic.supervision.membership import View
 
 __all__ = ["PassHost", "SnapshotPolicy"]
