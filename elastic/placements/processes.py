@@ -447,7 +447,8 @@ class ProcessPlacement:
                     self._prepare_standby(len(plan.members))
             host.before_step(next_step)  # the drill's driver-side faults (a revive), the stall reporter
             view = host.view
-            gone = {ref: s for ref, s in pending.items() if s not in view.active and s not in view.leaving}
+            staying = view.leaving - _past(view.notices, time.time())  # a leaver past its deadline is gone, hung or not
+            gone = {ref: s for ref, s in pending.items() if s not in view.active and s not in staying}
             if gone and view.gave_up is None:  # the supervisor dropped a member still in the pass: end the pass
                 failed_at = time.time()
                 dead, _ = ray.wait(list(gone), num_returns=len(gone), timeout=1.0)  # a dead process's call fails
@@ -752,6 +753,11 @@ class ProcessPlacement:
         if self._service is not None:
             self._service.stop()
             self._service = None
+
+
+def _past(notices: Iterable[Any], now: float) -> frozenset[int]:
+    """The slices of ``notices`` whose deadline has passed by ``now``."""
+    return frozenset(s for n in notices if n.deadline <= now for s in n.slices)
 
 
 def restarted(pids: dict[int, int], previous: Iterable[int], last: dict[int, int], gone: set[int]) -> set[int]:
