@@ -16,6 +16,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -23,9 +24,23 @@ import ray
 from elastic import runtime
 from elastic.demos.demo import DemoSpec, make_trainer, max_abs_diff
 
-__all__ = ["notice_times", "run_drain_demo"]
+__all__ = ["notice_then", "notice_times", "run_drain_demo"]
 
 BOUND_S = 60.0  # the longest the demo waits for any one event it caused
+
+
+def notice_then(job: Any, slice_index: int, deadline_s: float, at_deadline: Callable[[], None]) -> None:
+    """Give ``job`` the demo's notice for ``slice_index`` from another thread (as a scheduler's callback would),
+    bounded by ``BOUND_S``, and call ``at_deadline`` from a timer when its deadline comes."""
+    box: dict[str, Any] = {}
+    caller = threading.Thread(target=lambda: box.update(n=job.notice(slice_index, deadline_s, "drain demo")))
+    caller.start()
+    caller.join(BOUND_S)
+    if "n" not in box:
+        raise TimeoutError(f"the notice for slice {slice_index} was not taken within {BOUND_S}s")
+    timer = threading.Timer(max(box["n"].deadline - time.time(), 0.0), at_deadline)
+    timer.daemon = True
+    timer.start()
 
 
 class _Drill:
@@ -45,15 +60,7 @@ class _Drill:
         self.stamps.append(time.monotonic())
         if step == self.notice_at and not self._noticed:
             self._noticed = True
-            box: dict[str, Any] = {}
-            caller = threading.Thread(
-                target=lambda: box.update(n=self.job.notice(self.spec.kill_slice, self.deadline_s, "drain demo"))
-            )
-            caller.start()
-            caller.join(BOUND_S)
-            timer = threading.Timer(max(box["n"].deadline - time.time(), 0.0), self._kill)
-            timer.daemon = True
-            timer.start()
+            notice_then(self.job, self.spec.kill_slice, self.deadline_s, self._kill)
         if step == self.spec.revive_at and not self._revived:
             self._revived = True
             if not self.gone.wait(self.deadline_s + BOUND_S):

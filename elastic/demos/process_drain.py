@@ -13,7 +13,6 @@ job grows back onto it. Nothing is recomputed and no failure is counted.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -21,13 +20,11 @@ import ray
 
 from elastic.api.job import ElasticJob
 from elastic.demos.demo import init_state, max_abs_diff
-from elastic.demos.drain import notice_times
+from elastic.demos.drain import BOUND_S, notice_then, notice_times
 from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
 from elastic.demos.slurm import paced_loop
 
 __all__ = ["run_process_drain_demo"]
-
-BOUND_S = 60.0  # the longest the demo waits for the notice to be taken
 
 
 class _Drill:
@@ -43,15 +40,7 @@ class _Drill:
         if step < self.spec.kill_at or self._noticed:
             return
         self._noticed = True
-        box: dict[str, Any] = {}
-        caller = threading.Thread(
-            target=lambda: box.update(n=self.job.notice(self.spec.kill_slice, self.deadline_s, "drain demo"))
-        )
-        caller.start()
-        caller.join(BOUND_S)
-        timer = threading.Timer(max(box["n"].deadline - time.time(), 0.0), self._deadline)
-        timer.daemon = True
-        timer.start()
+        notice_then(self.job, self.spec.kill_slice, self.deadline_s, self._deadline)
 
     def _deadline(self) -> None:
         """The deadline: the slice goes, as the scheduler said; a worker that has not left yet is killed."""
