@@ -358,6 +358,11 @@ class Snapshotter:
         with self._cv:
             return tuple(g.step for g in self._generations)
 
+    def generation(self, index: int = -1) -> Generation:
+        """One complete generation held (default: the newest), as it is: a testing seam (see ``snapshot.testing``)."""
+        with self._cv:
+            return self._generations[index]
+
     def load(self, target: Any, *, available: Any = None, borrow: bool = False) -> Restored:
         """The newest state held, placed on ``target`` (shardings, or an abstract state whose leaves carry
         ``.sharding``), read only from devices in ``available`` (default: the target's).

@@ -11,7 +11,7 @@ __all__ = ["copies_of", "flip_byte"]
 
 def copies_of(snapshotter: Snapshotter, *, leaf: int, piece: int = 0, generation: int = -1) -> list[Any]:
     """The copies (``snapshot.engine.Copy``) of one piece of a held generation (default: the newest)."""
-    gen = snapshotter._generations[generation]  # noqa: SLF001 - a testing seam
+    gen = snapshotter.generation(generation)
     return list(gen.leaves[leaf].pieces[piece].copies)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import ray
@@ -24,6 +24,7 @@ from elastic.control import orbax_io
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup, connect
 from elastic.control.controller import Controller, JobResult, StepCallback
+from elastic.control.hooks import DriverHook, FaultPlan, JobHandles
 from elastic.control.job_events import ClientEvents
 from elastic.control.metrics import JobMetrics
 from elastic.control.report import Ledger, Report, Timeline
@@ -47,22 +48,6 @@ __all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
 RECORD_DIR_ENV = "ELASTIC_RECORD_DIR"  # where jobs write their run record when record_dir is not given
 
 InitFn = Callable[[jax.Array], Any]
-
-
-class FaultPlan(Protocol):
-    """What a job needs of a fault plan (``elastic.Faults``): the job imports no fault machinery itself."""
-
-    def validate(self, *, num_slices: int, num_steps: int) -> None: ...
-
-    def __len__(self) -> int: ...
-
-    def injector(self, job: ElasticJob) -> Callable[[int], None]:
-        """The before-step hook that carries the plan out on ``job``."""
-        ...
-
-    def worker_hooks(self) -> list[Callable[[Any], None]]:
-        """Multi-process mode: the step hooks each worker runs to carry out its share of the plan."""
-        ...
 
 
 ShardingsFn = Callable[[Mesh], Any]
@@ -391,14 +376,29 @@ class ElasticJob:
             raise ElasticError("the job is not started: use `with ElasticJob(...) as job:` or job.start()")
         return self._group
 
+    @property
+    def handles(self) -> JobHandles:
+        """The handles a fault plan acts through (a drill, a chaos run): the job's own parts, named."""
+        return JobHandles(
+            job=self.config.job_name,
+            topology=self.topology,
+            simulated=self.config.simulated,
+            multi=self._multi,
+            group=lambda: self.group,
+            accounting=self._acct,
+            watcher=lambda: self._watcher,
+            snapshots=lambda: None if self._tiers is None else self._tiers.snapshots,
+            keepers=lambda: self._keepers,
+        )
+
     # -- running ---------------------------------------------------------------------------------
     def run(self, loop: Callable[[Run], Any]) -> JobResult:
         """Run ``loop`` to the last step, re-entering it on each membership change."""
         self.start()
         assert self._watcher is not None
-        hooks = []
+        hooks: list[DriverHook] = []
         if self._faults is not None and len(self._faults):
-            hooks.append(self._faults.injector(self))
+            hooks.append(self._faults.injector(self.handles))
         self._placement = placement = self._new_placement()
         self.controller = controller = Controller(
             config=self.config,
@@ -418,9 +418,7 @@ class ElasticJob:
                 self._log.info("saved_final", path=str(self._save_final_to))
         finally:
             for hook in hooks:  # an injector's agent kills still under way end with the run
-                settle = getattr(hook, "settle", None)
-                if settle is not None:
-                    settle()
+                hook.settle()
             placement.close()
             if self._client_events is not None:
                 self._client_events.flush()  # the run's records are in the stream when run returns

@@ -7,11 +7,13 @@ detection and recovery run exactly as for a real failure.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from elastic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elastic.control.hooks import DriverHook, JobHandles, WorkerHook
 
 __all__ = ["Fault", "Faults"]
 
@@ -116,21 +118,21 @@ class Faults:
     def __len__(self) -> int:
         return len(self._faults)
 
-    def injector(self, job: Any) -> Callable[[int], None]:
-        """The before-step hook that carries this plan out on ``job`` (an ``ElasticJob``); in multi-process mode
-        the driver's half of it (see :meth:`worker_hooks`)."""
+    def injector(self, handles: JobHandles) -> DriverHook:
+        """The before-step hook that carries this plan out through a job's ``handles``; in multi-process mode the
+        driver's half of it (see :meth:`worker_hooks`)."""
         from elastic.chaos.injector import DriverFaults, FaultInjector
 
         placed = [f for f in self.faults if f.during != "step"]
-        if placed and job.config.processes is None:
+        if placed and not handles.multi:
             raise ConfigError(
                 f"kill_slice(during={placed[0].during!r}) needs multi-process mode (worker processes); "
                 "in single-process mode the chaos runner's phases place a kill inside a step or a "
                 "restore"
             )
-        return (FaultInjector if job.config.processes is None else DriverFaults).for_job(self, job)
+        return (DriverFaults if handles.multi else FaultInjector).for_job(self, handles)
 
-    def worker_hooks(self) -> list[Callable[[Any], None]]:
+    def worker_hooks(self) -> list[WorkerHook]:
         """Multi-process mode: the step hooks each worker runs to carry out its share of this plan."""
         from elastic.chaos.injector import WorkerFaults
 

@@ -27,7 +27,7 @@ from elastic.log import get_logger
 from elastic.snapshot import Snapshotter
 
 if TYPE_CHECKING:
-    from elastic.api.job import ElasticJob
+    from elastic.control.hooks import JobHandles
 
 __all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
 
@@ -64,16 +64,16 @@ class FaultInjector:
         self._log = get_logger("elastic.chaos.faults", job=job)
 
     @classmethod
-    def for_job(cls, faults: Faults, job: ElasticJob) -> FaultInjector:
+    def for_job(cls, faults: Faults, handles: JobHandles) -> FaultInjector:
         return cls(
             faults,
-            topology=job.topology,
-            simulated=job.config.simulated,
-            group=lambda: job.group,
-            accounting=job._acct,
-            job=job.config.job_name,  # noqa: SLF001 - the job's own accounting
-            watcher=lambda: job._watcher,
-        )  # noqa: SLF001 - the job's own view
+            topology=handles.topology,
+            simulated=handles.simulated,
+            group=handles.group,
+            accounting=handles.accounting,
+            job=handles.job,
+            watcher=handles.watcher,
+        )
 
     def __call__(self, step: int) -> None:
         for fault in self._faults.faults:
@@ -216,6 +216,10 @@ class WorkerFaults:
             elif fault.kind == "transient":
                 raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {step}")
 
+    def takes(self, slice: int) -> bool:
+        """Whether a fault of this plan takes ``slice`` down (a kill, a silence, a hang of that slice)."""
+        return any(f.slice == slice and f.kind in ("kill", "silence", "hang") for f in self.faults)
+
     def phase(self, name: str, context: Any) -> None:
         """A re-formation of the group reached ``name`` ("forming": before the rendezvous; "restore": the group
         formed, the state not placed yet): kill this worker if a fault of its slice is due there. Only a process
@@ -259,25 +263,20 @@ class DriverFaults:
         *,
         group: Callable[[], ActorGroup],
         accounting: Accounting,
-        view: Callable[[], Any],
         job: str,
     ) -> None:
         self._faults = faults
         self._group = group
         self._acct = accounting
-        self._view = view
         self._fired: set[Fault] = set()
         self._log = get_logger("elastic.faults", job=job)
 
     @classmethod
-    def for_job(cls, faults: Faults, job: ElasticJob) -> DriverFaults:
-        return cls(
-            faults,
-            group=lambda: job.group,
-            accounting=job._acct,  # noqa: SLF001 - the job's own accounting
-            view=lambda: job.group.supervisor,
-            job=job.config.job_name,
-        )
+    def for_job(cls, faults: Faults, handles: JobHandles) -> DriverFaults:
+        return cls(faults, group=handles.group, accounting=handles.accounting, job=handles.job)
+
+    def settle(self) -> None:
+        """Nothing runs beside the loop: the workers carry out their faults themselves."""
 
     def __call__(self, step: int) -> None:
         for fault in self._faults.faults:
@@ -300,7 +299,8 @@ class DriverFaults:
         self._acct.report.failures_injected += 1
 
 
-def snapshotter_of(job: ElasticJob) -> Snapshotter:
-    """The in-memory snapshot tier of an ``ElasticJob`` (a testing seam: corrupt a copy, read its stats)."""
-    assert job._tiers is not None, "a single-process job"  # noqa: SLF001
-    return job._tiers._snapshots  # noqa: SLF001 - a testing seam, as snapshot.testing is
+def snapshotter_of(handles: JobHandles) -> Snapshotter:
+    """The in-memory snapshot tier of a single-process job (a testing seam: corrupt a copy, read its stats)."""
+    snaps = handles.snapshots()
+    assert snaps is not None, "a single-process job"
+    return snaps

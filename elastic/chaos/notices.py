@@ -51,7 +51,7 @@ def aim_for(job: ElasticJob) -> Aim:
     (``FaultInjector``'s kill). Multi-process: the worker process that ran the slice when the notice was given is
     killed (``ray.kill``; a worker that already left on the notice has exited, and a newer one is left alone)."""
     if job.config.processes is None:
-        injector = FaultInjector.for_job(Faults(), job)
+        injector = FaultInjector.for_job(Faults(), job.handles)
         return lambda s, step: lambda: injector.fire(Fault(kind="kill", at_step=step, slice=s))
 
     def aim(s: int, step: int) -> Callable[[], None]:

@@ -113,11 +113,11 @@ def _snapshot_end(job: ElasticJob) -> dict[str, Any]:
         extra = job.report.extra
         latest = extra.get("snapshot_latest_step")
         if latest is None and job.config.tiers.keeper_every:  # the workers gone (a give-up): what the keepers hold
-            keepers = job._keepers  # noqa: SLF001 - the job's own keeper client (it holds the keeper credential)
+            keepers = job.handles.keepers()
             whole = keepers.whole_steps(timeout=10.0) if keepers is not None else {}
             latest = max(whole, default=None)
         return {"latest": latest, "dropped": extra.get("snapshots_dropped")}
-    snaps = snapshotter_of(job)
+    snaps = snapshotter_of(job.handles)
     try:
         latest = job.latest_snapshot().step if len(snaps) else None
     except NoSnapshotError:

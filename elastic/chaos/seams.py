@@ -38,14 +38,7 @@ class Seams:
         self._notices = notices
         self._pending = list(schedule.seams()) + [f for f in schedule.notices() if f.kind == "notice"]
         self._silences = {f.at_step: f.slice for f in schedule.faults if f.kind == "silence"}
-        self._injector = FaultInjector(
-            Faults(),
-            topology=job.topology,
-            simulated=job.config.simulated,
-            group=lambda: job.group,
-            accounting=job._acct,  # noqa: SLF001 - its own job
-            job=job.config.job_name,
-        )
+        self._injector = FaultInjector.for_job(Faults(), job.handles)
         self._events_seen = 0
         self._slices: tuple[int, ...] | None = None
         self._reached = -1  # the highest step started
@@ -118,9 +111,9 @@ class Seams:
 
     def _corrupt(self, step: int) -> None:
         """Flip a byte of the first copy of a piece of the newest complete snapshot."""
-        snaps = snapshotter_of(self._job)
+        snaps = snapshotter_of(self._job.handles)
         snaps.wait_quietly()
-        gen = snaps._generations[-1]  # noqa: SLF001 - a testing seam, as snapshot.testing is
+        gen = snaps.generation()
         leaf = next(i for i, rec in enumerate(gen.leaves) if rec.is_array and rec.pieces)
         changed = flip_byte(snaps, leaf=leaf, piece=0, copy=0, byte=step)
         self._job.timeline.add("inject_corrupt", step=step, snapshot_step=gen.step, leaf=leaf, buffers=changed)

@@ -131,6 +131,11 @@ class TierSet:
                 tier = "keeper"
         self.last_completed = (info.step, tier)
 
+    @property
+    def snapshots(self) -> Snapshotter:
+        """The in-memory tier itself (a drill's handle: corrupt a copy, read its stats)."""
+        return self._snapshots
+
     def snapshot_stats(self) -> dict[str, Any]:
         """The in-memory tier's counters (snapshots taken, seconds blocked, bytes held), without waiting."""
         return self._snapshots.stats()

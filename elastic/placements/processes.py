@@ -529,12 +529,7 @@ class ProcessPlacement:
 
     def _targeted(self, plan: GroupPlan, lost: set[int]) -> set[int]:
         """The lost slices a drill's fault took (their loss is no survivor's)."""
-        targeted = set()
-        for hook in self._spec.step_hooks:
-            for fault in getattr(hook, "faults", ()):
-                if fault.slice in lost and fault.kind in ("kill", "silence", "hang"):
-                    targeted.add(fault.slice)
-        return targeted
+        return {s for s in lost if any(hook.takes(s) for hook in self._spec.step_hooks)}
 
     def _collateral(self, lost: set[int]) -> set[int]:
         """The lost workers whose node lives on: not taken by their host's loss, they died with a peer's failure."""

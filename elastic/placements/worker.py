@@ -32,6 +32,7 @@ import ray
 
 from elastic import priority, runtime
 from elastic.config import ElasticConfig
+from elastic.control.hooks import StepContext, WorkerHook
 from elastic.control.report import Ledger
 from elastic.log import get_logger
 from elastic.loop.host import PassHost
@@ -46,26 +47,11 @@ from elastic.snapshot.gated import gated_actor
 from elastic.supervision.agent import check_control
 from elastic.supervision.membership import View
 
-__all__ = ["GroupPlan", "SliceWorker", "StepContext", "StepHook", "WorkerSpec"]
+__all__ = ["GroupPlan", "SliceWorker", "WorkerSpec"]
 
 FETCH_TIMEOUT_S = 30.0
 DEPART_EXIT_S = 0.5  # a departing worker's reply goes out before its process ends
 DRIVER_LEASE_S = 5.0  # a pass stops when the driver has not read its progress for this long (the driver died)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepContext:
-    """What a worker-side step hook is told as a step starts: the step, this worker's slice, ``floor`` (the
-    highest step the job had reached when the group formed: a step at or below it is being recomputed), and the
-    job's supervisor (to read the membership view)."""
-
-    step: int
-    slice: int
-    floor: int
-    supervisor: Any
-
-
-StepHook = Callable[[StepContext], None]  # run in the worker as each step starts (a drill's faults)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +65,7 @@ class WorkerSpec:
     mesh_fn: runtime.MeshFn | None = None
     init_from: str | None = None  # an Orbax checkpoint whose state replaces init_fn's at step ``init_step``
     init_step: int = 0  # where a fresh start begins (the checkpoint's step: the run continues there)
-    step_hooks: tuple[StepHook, ...] = ()  # run in the worker as each step starts (a drill's faults)
+    step_hooks: tuple[WorkerHook, ...] = ()  # run in the worker as each step starts (a drill's faults)
     cache_dir: str | None = None  # JAX's persistent compilation cache, shared with the standby group
     keepers: bool = False  # the job keeps keeper actors (in its namespace)
     keeper_credential: str | None = None  # what the job's keepers answer (elastic.supervision.credential "keeper")
@@ -400,9 +386,7 @@ class SliceWorker:
             step=self._next_step, slice=self.slice, floor=plan.fault_floor, supervisor=self._supervisor
         )
         for hook in self._spec.step_hooks:
-            phase = getattr(hook, "phase", None)
-            if phase is not None:
-                phase(name, context)
+            hook.phase(name, context)
 
     def _wrong_devices(self) -> str | None:
         """Why this process's devices cannot be its slice's (one line), or None when they number
