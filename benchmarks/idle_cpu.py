@@ -23,8 +23,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax.numpy as jnp  # noqa: E402
-import psutil  # noqa: E402
+import jax.numpy as jnp
+import psutil
 
 ME = os.getpid()
 
@@ -81,7 +81,7 @@ def main() -> int:
     config = ElasticConfig(simulated=True, job_name="idle-cpu", num_slices=args.slices, num_steps=steps, **overrides)
     measured: dict = {}
 
-    def loop(run):  # noqa: ANN001, ANN202
+    def loop(run):
         state = run.state
         for step in run.steps:
             if step == 8:  # started, first snapshot taken, standbys compiled: the steady state

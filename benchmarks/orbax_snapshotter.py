@@ -183,8 +183,8 @@ def measure_orbax_snapshotter(state, step_fn, *, steps: int, block_steps: bool =
       orbax_loop_seconds: wall time of the whole loop (steps and saves, before join);
       orbax_block_steps; orbax_pathwaysutils; orbax_version.
     """
-    import orbax.checkpoint as ocp_root  # noqa: PLC0415
-    from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter  # noqa: PLC0415
+    import orbax.checkpoint as ocp_root
+    from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
 
     if steps < 1:
         raise ValueError("steps must be >= 1")
@@ -295,11 +295,11 @@ def measure_orbax_snapshotter(state, step_fn, *, steps: int, block_steps: bool =
 
 
 def _main() -> None:
-    import argparse  # noqa: PLC0415
-    import json  # noqa: PLC0415
+    import argparse
+    import json
 
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     devices = jax.devices()
     if len(devices) != 8:

@@ -64,14 +64,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import psutil  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import psutil
+from jax.sharding import NamedSharding, PartitionSpec
 
-from elastic import runtime  # noqa: E402
+from elastic import runtime
 
 BATCH = 48  # rows split over 8 devices
 AHEAD = 4  # the plain loops dispatch step k once step k - AHEAD has computed
@@ -105,14 +105,14 @@ def width_for(mib: float) -> int:
     return max(64, int((mib * 2**20 / 4 / 3 / LAYERS) ** 0.5))
 
 
-def make(width: int):  # noqa: ANN201
-    def init(key):  # noqa: ANN001, ANN202
+def make(width: int):
+    def init(key):
         keys = jax.random.split(key, LAYERS)
         params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys]
         return {"params": params, "opt": OPT.init(params)}
 
-    def step(state, x):  # noqa: ANN001, ANN202
-        def loss_fn(params):  # noqa: ANN001, ANN202
+    def step(state, x):
+        def loss_fn(params):
             h = x
             for w in params:
                 h = jnp.tanh(h @ w)
@@ -264,12 +264,12 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
     waits = run_module.wait_ready
     newest: list[object] = [None]  # the state the loop dispatched last
 
-    def computed(tree) -> bool:  # noqa: ANN001
+    def computed(tree) -> bool:
         return all(
             x.is_ready() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()
         )
 
-    def counted(tree, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the library's own waits
+    def counted(tree, *args, **kwargs):
         t, c = time.perf_counter(), time.thread_time()
         ready = computed(tree)  # this probe's own check, not the library's: taken out of its time below
         if ready:
@@ -284,12 +284,12 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
             syncs[f"{kind}count"] += 1
             syncs[f"{kind}seconds"] += time.perf_counter() - t
 
-    def loop(run):  # noqa: ANN001, ANN202
+    def loop(run):
         state = run.state
         fn = run.jit(step, donate_argnums=0)
         put = run._put_batch  # noqa: SLF001 - the transfer inside shard_batch, timed where it runs
 
-        def timed_put(host):  # noqa: ANN001, ANN202
+        def timed_put(host):
             t, c = time.perf_counter(), time.thread_time()
             try:
                 return put(host)

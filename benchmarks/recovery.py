@@ -50,10 +50,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The repository root before this folder: benchmarks/snapshot.py must not shadow the snapshot package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 LEAVES, COLS, BATCH = 8, 1024, 48
 

@@ -40,15 +40,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ray
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from elastic.runtime import distributed  # noqa: E402
-from elastic.runtime.mesh import LOCAL_AXIS, batch_sharding, default_mesh  # noqa: E402
+from elastic.runtime import distributed
+from elastic.runtime.mesh import LOCAL_AXIS, batch_sharding, default_mesh
 
 __all__ = ["run", "main"]
 
@@ -60,7 +60,7 @@ def rows_for(mib: int) -> int:
     return mib * 1024 * 1024 // 4 // LEAVES // COLS
 
 
-def init_fn(rows: int):  # noqa: ANN201 - a jax init function
+def init_fn(rows: int):
     def init(key: jax.Array) -> dict[str, jax.Array]:
         keys = jax.random.split(key, LEAVES)
         return {f"w{i}": jax.random.normal(keys[i], (rows, COLS)) * 0.01 for i in range(LEAVES)}
@@ -143,14 +143,14 @@ def _held_loop(hold_at: int, flag: str) -> Any:
     """The loop, holding before ``hold_at`` until the driver sets ``flag`` in Ray's internal KV (standbys ready)."""
 
     def held(run: Any) -> Any:
-        from ray.experimental import internal_kv
+        from elastic.supervision.ray_internals import kv_exists
 
         state = run.state
         step_fn = run.jit(train_step, donate_argnums=0)
         for step in run.steps:
             if step == hold_at:
                 deadline = time.monotonic() + 300
-                while not internal_kv._internal_kv_exists(flag) and time.monotonic() < deadline:
+                while not kv_exists(flag) and time.monotonic() < deadline:
                     time.sleep(0.05)
             state = step_fn(state, run.shard_batch(batch(step)))
             run.commit(state)
@@ -162,9 +162,8 @@ def _held_loop(hold_at: int, flag: str) -> Any:
 def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
     import threading
 
-    from ray.experimental import internal_kv
-
     from elastic import ElasticConfig, ElasticJob, Faults, Policy, Processes, Tiers
+    from elastic.supervision.ray_internals import kv_del, kv_put
 
     flag = f"recovery-mp-standby-{os.getpid()}-{time.time_ns()}"
     config = ElasticConfig(
@@ -191,12 +190,12 @@ def run_ours(mib: int, kill_at: int, steps: int) -> dict[str, Any]:
             time.sleep(0.05)
         if job.controller is not None:
             job.controller.wait_for_standbys(300)
-        internal_kv._internal_kv_put(flag, b"1")
+        kv_put(flag, b"1")
 
     with job:
         threading.Thread(target=release, daemon=True).start()
         result = job.run(_held_loop(kill_at - 1, flag))  # held before the step that kills
-    internal_kv._internal_kv_del(flag)
+    kv_del(flag)
     report = result.report.to_dict()
     _wait_gone(list(report["worker_pids"].values()))
     events = report["timeline"]

@@ -30,14 +30,14 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic.snapshot import SnapshotConfig, Snapshotter  # noqa: E402
+from elastic.snapshot import SnapshotConfig, Snapshotter
 
 LEAVES = 8
 

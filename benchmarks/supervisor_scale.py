@@ -35,14 +35,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ray  # noqa: E402
+import ray
 
-from elastic.config import Policy  # noqa: E402
-from elastic.control.cluster import connect  # noqa: E402
-from elastic.log import configure_logging  # noqa: E402
-from elastic.supervision import events  # noqa: E402
-from elastic.supervision.agent import SliceGroupAgent  # noqa: E402
-from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor  # noqa: E402
+from elastic.config import Policy
+from elastic.control.cluster import connect
+from elastic.log import configure_logging
+from elastic.supervision import events
+from elastic.supervision.agent import SliceGroupAgent
+from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
 
 @ray.remote(num_cpus=0)

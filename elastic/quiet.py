@@ -73,6 +73,9 @@ def starting_ray() -> Iterator[None]:
         yield
 
 
+_ROUTED: set[Any] = set()  # the routing functions installed (so a second call does not wrap the first)
+
+
 def route_ray_errors() -> None:
     """Send the lines of Ray's driver-side error listener (``pid`` "raylet") to stderr when verbose, nowhere
     otherwise; every other line is printed as Ray prints it. Idempotent."""
@@ -81,7 +84,7 @@ def route_ray_errors() -> None:
     except ImportError:  # another Ray layout: its output is left as it is
         return
     original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None or getattr(original, "_elastic_routed", False):
+    if original is None or original in _ROUTED:
         return
 
     def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
@@ -91,5 +94,5 @@ def route_ray_errors() -> None:
             for line in data.get("lines", ()):
                 print(f"(raylet) {line}", file=sys.stderr)
 
-    routed._elastic_routed = True  # type: ignore[attr-defined]
+    _ROUTED.add(routed)
     ray_worker.print_to_stdstream = routed

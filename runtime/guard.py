@@ -116,7 +116,7 @@ class _Waiters:
             arrays, done = jobs.get()
             try:
                 jax.block_until_ready(arrays)
-            except Exception:  # noqa: BLE001, S110 - a failed computation is ready too: the caller's own wait raises it
+            except Exception:  # noqa: BLE001 - a failed computation is ready too: the caller's own wait raises it
                 pass
             del arrays
             with self._lock:

@@ -66,7 +66,7 @@ class SliceProbe:
                 wait_ready(result, s.devices, timeout_s=left, what=f"the probe of slice {s.index}")
             except StepHungError:
                 dead.add(s.index)  # unresponsive: as good as gone for this job
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 if not is_slice_loss(err):
                     raise
                 dead.add(s.index)

@@ -33,7 +33,7 @@ class ActorAccessError(KeeperAccessError):
 T = TypeVar("T", bound=type)
 
 
-class internal:  # noqa: N801 - used like ``staticmethod``
+class internal:
     """A method the actor's own code calls but Ray cannot: not a function on the class, a bound method on an
     instance."""
 

@@ -157,7 +157,7 @@ _madvise: Any = None  # libc's madvise once loaded (None: not yet); False once i
 
 def _populate(address: int, size: int) -> bool:
     """Put the pages of ``[address, address + size)`` in place, the GIL released; False where unsupported."""
-    global _madvise  # noqa: PLW0603 - learnt once per process
+    global _madvise
     madvise = _madvise  # read once: another copy thread may learn meanwhile that it is unsupported
     if madvise is None:
         try:

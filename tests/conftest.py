@@ -12,7 +12,7 @@ if "ELASTIC_HOME" not in os.environ:  # job tokens and run records of the tests 
 
     os.environ["ELASTIC_HOME"] = tempfile.mkdtemp(prefix="elastic-home-")
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture
@@ -44,8 +44,8 @@ _LONG_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001
-    def rank(item) -> int:  # noqa: ANN001
+def pytest_collection_modifyitems(items) -> None:
+    def rank(item) -> int:
         name = item.path.name
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 

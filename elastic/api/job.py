@@ -179,9 +179,24 @@ class ElasticJob:
         except runtime.TopologyError as err:
             raise ConfigError(str(err)) from err
 
-    def _shardings(self, mesh: Mesh) -> Any:
+    def shardings(self, mesh: Mesh) -> Any:
         """The state's shardings on ``mesh``, one per leaf (``ConfigError`` when a spec does not fit)."""
         return state_shardings(self._abstract, self._shardings_fn, mesh)
+
+    @property
+    def init_fn(self) -> Callable[[Any], Any]:
+        """The ``init_fn`` the job was built with (a reference run initialises as the job does)."""
+        return self._init_fn
+
+    @property
+    def mesh_fn(self) -> Callable[..., Any] | None:
+        """The ``mesh_fn`` the job was built with (None: the default mesh)."""
+        return self._mesh_fn
+
+    @property
+    def shardings_fn(self) -> Callable[..., Any]:
+        """The state's shardings function (the default replicates every leaf)."""
+        return self._shardings_fn
 
     def _check_splits(self, mesh: Mesh) -> None:
         """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
@@ -362,7 +377,7 @@ class ElasticJob:
             view = ray.get(self._group.supervisor.notice.remote(notice), timeout=self.config.startup_timeout_s)
         except NoticeError as err:  # the supervisor's refusal (raised through Ray, as a subclass of it)
             raise NoticeError(str(getattr(err, "cause", None) or err).splitlines()[0]) from None
-        except Exception as err:  # noqa: BLE001 - the supervisor unreachable: the notice did not reach the job
+        except Exception as err:
             raise NoticeError(f"notice not delivered: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from err
         if self._watcher is not None:
             self._watcher.offer(view)  # the loop sees the view at its next step boundary, not the next long poll
@@ -431,7 +446,7 @@ class ElasticJob:
                 self.config,
                 topology=self.topology,
                 mesh_fn=self._mesh_fn,
-                shardings=self._shardings,
+                shardings=self.shardings,
                 init_fn=self._init_fn,
                 tiers=self._tiers,
                 initial_state=self._initial_state,
@@ -441,8 +456,8 @@ class ElasticJob:
 
         return ProcessPlacement(
             self.config,
-            spec=self._worker_processes._spec,
-            group=lambda: self.group,  # noqa: SLF001
+            spec=self._worker_processes.spec,
+            group=lambda: self.group,
             accounting=self._acct,
             keepers=lambda: self._keepers,
             cache_dir=self._cache_dir,

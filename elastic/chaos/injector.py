@@ -178,11 +178,11 @@ class WorkerFaults:
         """Whether ``fault`` fires here: once per drill across every process of the job, a replacement process
         included (a worker that dies before the driver saw its step would otherwise fire it again in its
         successor, forever). Marked in Ray's key-value store (cluster-wide) before it fires."""
-        from ray.experimental import internal_kv
+        from elastic.supervision.ray_internals import kv_put
 
         key = f"{self._drill}:{self.faults.index(fault)}".encode()
         try:
-            return not internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=DRILL_NAMESPACE)
+            return not kv_put(key, b"1", overwrite=False, namespace=DRILL_NAMESPACE)
         except Exception:  # noqa: BLE001 - no KV (not a Ray worker): once per process, as the caller ensures
             return True
 

@@ -62,7 +62,7 @@ def aim_for(job: ElasticJob) -> Aim:
             job.report.failures_injected += 1
             try:
                 ray.kill(handle, no_restart=True)
-            except Exception as err:  # the process is gone already
+            except Exception as err:  # noqa: BLE001 - the process is gone already
                 get_logger("elastic.chaos.notices").info("worker_kill_failed", slice=s, error=type(err).__name__)
 
         return kill
@@ -145,7 +145,7 @@ class NoticeGiver:
             return None
         try:
             view = self._view()
-        except Exception as err:  # unknown: the invariant does not judge on it
+        except Exception as err:  # noqa: BLE001 - unknown: the invariant does not judge on it
             self._log.info("chaos_notice_view_unread", slice=s, error=type(err).__name__)
             return None
         return s in view.leaving or len(view.active - {s}) >= self._job.config.policy.min_slices

@@ -76,7 +76,7 @@ def load_target(spec: TargetSpec) -> tuple[Target, str]:
         raise ConfigError(f"the chaos target {label} must be a function returning ElasticJob's arguments and loop")
     try:
         kwargs = dict(fn())
-    except Exception as err:  # noqa: BLE001 - whatever the user's function raised, said as what to fix
+    except Exception as err:
         raise ConfigError(
             f"the chaos target {label}() failed: {type(err).__name__}: {err}; it takes no arguments "
             "and returns a dict of config, init_fn, loop (optionally shardings_fn, mesh_fn)"
@@ -253,9 +253,9 @@ class ChaosRunner:
                 schedule=schedule,
                 loop=t.loop,
                 init_fn=t.init_fn,
-                shardings=job._shardings,
+                shardings=job.shardings,
                 mesh_fn=t.mesh_fn,
-            )  # noqa: SLF001 - the job's own rule
+            )
             return _host_leaves(state), (f"replayed over the run's device schedule: {_describe(schedule)}")
         except Exception as err:  # noqa: BLE001 - no replay: the tolerance against the reference applies
             return None, f"the replay failed: {type(err).__name__}: {str(err)[:200]}"

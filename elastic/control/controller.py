@@ -141,7 +141,7 @@ class Controller:
                 return self._prepare(action)
             if isinstance(action, RunPass):
                 return self._run_pass(loop, machine.view)
-        except Exception as err:  # noqa: BLE001 - only slice loss and hangs are recovered; the rest ends the job
+        except Exception as err:
             kind = runtime.classify_failure(err)
             if kind is runtime.FailureKind.OTHER:
                 raise

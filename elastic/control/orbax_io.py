@@ -104,7 +104,7 @@ def check_matches(path: epath.Path, abstract: Any) -> None:
     """``ConfigError`` listing how the checkpoint's tree differs from ``abstract`` (paths, shapes, dtypes)."""
     try:
         saved_tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
-    except Exception as err:  # noqa: BLE001 - whatever Orbax could not read, said with the path
+    except Exception as err:
         raise ConfigError(f"cannot read the Orbax checkpoint at {path}: {type(err).__name__}: {err}") from err
     saved = _layout(saved_tree)
     wanted = _layout(jax.tree_util.tree_map(_plain_dtype, abstract))

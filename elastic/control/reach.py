@@ -46,13 +46,13 @@ def _native_stderr_off() -> Iterator[None]:
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Return if the cluster at ``address`` answers and accepts this process's credentials; else raise
     :class:`ClusterError` (within about ``timeout_s``)."""
-    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # not in ray's stubs
+    from elastic.supervision.ray_internals import gcs_client
 
     outcome: list[BaseException | None] = []
 
     def ask() -> None:
         try:
-            GcsClient(address=_gcs_address(address))
+            gcs_client(_gcs_address(address))
             outcome.append(None)
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
             outcome.append(err)

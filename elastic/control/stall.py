@@ -9,10 +9,10 @@ is (its stack), and marks the timeline; the job does not recover from it by itse
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import traceback
+from sys import _current_frames
 from typing import Any
 
 from elastic.control.report import Timeline
@@ -65,7 +65,7 @@ class StallReporter:
                     continue
                 self._reported = True
                 step, stalled_s = self._step, time.monotonic() - self._since
-            frame = sys._current_frames().get(self._loop_thread)  # noqa: SLF001 - the stdlib's way to see a thread
+            frame = _current_frames().get(self._loop_thread)  # the stdlib's way to see a thread
             where = "".join(traceback.format_stack(frame, limit=8)) if frame is not None else "unknown"
             self._timeline.add("stalled", step=step, seconds=round(stalled_s, 1))
             self._log.error(

@@ -19,22 +19,22 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # 8 CPU devices: 4 slices x 2
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import logging
+import sys
+from typing import Any
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import elastic  # noqa: E402
-from elastic.api.flax_linen import LinenAdapter, TrainState  # noqa: E402
-from elastic.examples.flax_nnx import BATCH, CLASSES, batch, max_abs_state_diff  # noqa: E402
-from elastic.examples.reference import Placements, run_reference  # noqa: E402
+import elastic
+from elastic.api.flax_linen import LinenAdapter, TrainState
+from elastic.examples.flax_nnx import BATCH, CLASSES, batch, max_abs_state_diff
+from elastic.examples.reference import Placements, run_reference
 
 __all__ = ["CNN", "loss_fn", "make_adapter", "make_loop", "plain_train_step", "run_example", "main"]
 

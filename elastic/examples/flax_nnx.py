@@ -24,22 +24,22 @@ if __name__ == "__main__":  # run as a command: no native warning per multi-proc
 
     quiet_native(2)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from functools import partial  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import logging
+import sys
+from functools import partial
+from typing import Any
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import elastic  # noqa: E402
-from elastic.api.flax_nnx import NnxAdapter  # noqa: E402
-from elastic.examples.reference import Placements, run_reference, run_reference_processes  # noqa: E402
+import elastic
+from elastic.api.flax_nnx import NnxAdapter
+from elastic.examples.reference import Placements, run_reference, run_reference_processes
 
 __all__ = [
     "CNN",

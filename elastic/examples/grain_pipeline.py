@@ -19,22 +19,22 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # 8 CPU devices: 4 slices x 2
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from collections import Counter  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import logging
+import sys
+from collections import Counter
+from typing import Any
 
-import grain  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import elastic  # noqa: E402
-from elastic.examples.reference import Placements, run_reference  # noqa: E402
+import elastic
+from elastic.examples.reference import Placements, run_reference
 
 __all__ = ["Examples", "Consumed", "pipeline", "init_state", "train_step", "make_loop", "run_example", "main"]
 

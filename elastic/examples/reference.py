@@ -62,10 +62,10 @@ def run_reference(job: ElasticJob, placements: Placements, step_fn: Callable[[An
     for step in steps:
         slices = placements.slices[step]
         if slices != current:
-            mesh = runtime.build_mesh(topology.select(frozenset(slices)), job._mesh_fn)  # noqa: SLF001
-            shardings = job._shardings(mesh)  # noqa: SLF001 - the job's own, so the reference places alike
+            mesh = runtime.build_mesh(topology.select(frozenset(slices)), job.mesh_fn)
+            shardings = job.shardings(mesh)
             if state is None:
-                state = jax.jit(job._init_fn, out_shardings=shardings)(jax.random.key(job.config.seed))  # noqa: SLF001
+                state = jax.jit(job.init_fn, out_shardings=shardings)(jax.random.key(job.config.seed))
             else:
                 state = jax.device_put(state, shardings)
             current = slices
@@ -158,8 +158,8 @@ def run_reference_processes(job: ElasticJob, placements: Placements, step_fn: Ca
         cfg.devices_per_slice, collective_timeout_s=cfg.processes.collective_timeout_s if cfg.processes else 5
     )
     remote: Any = ray.remote(ReferenceProcess).options(num_cpus=0, max_restarts=0)
-    init = jax.jit(job._init_fn)(jax.random.key(cfg.seed))  # noqa: SLF001 - the job's own init
-    abstract = jax.eval_shape(job._init_fn, jax.random.key(cfg.seed))  # noqa: SLF001
+    init = jax.jit(job.init_fn)(jax.random.key(cfg.seed))
+    abstract = jax.eval_shape(job.init_fn, jax.random.key(cfg.seed))
     host = jax.tree_util.tree_map(
         lambda x: (
             _Key(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
@@ -183,8 +183,8 @@ def run_reference_processes(job: ElasticJob, placements: Placements, step_fn: Ca
                             i,
                             host,
                             abstract,
-                            job._shardings_fn,  # noqa: SLF001
-                            job._mesh_fn,  # noqa: SLF001
+                            job.shardings_fn,
+                            job.mesh_fn,
                             stretch,
                             step_fn,
                         )

@@ -128,7 +128,7 @@ def _warm(leaf: jax.Array) -> None:
         for device in devices:
             try:
                 _tap.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))).compile()
-            except Exception:  # noqa: BLE001, S112 - the call compiles it then
+            except Exception:  # noqa: BLE001 - the call compiles it then
                 continue
 
     thread = threading.Thread(target=compile_all, name="elastic-marker-warm", daemon=True)

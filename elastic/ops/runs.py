@@ -99,11 +99,10 @@ def open_run(job: str, *, run: str | None = None, directory: str | None = None, 
 
 
 def _jobs_online() -> set[str]:
-    from ray.experimental import internal_kv as kv
-
     from elastic.supervision.events import NAMESPACE
+    from elastic.supervision.ray_internals import kv_list
 
-    return {k.decode().split("/")[0] for k in kv._internal_kv_list(b"", namespace=NAMESPACE) if k.endswith(b"/current")}
+    return {k.decode().split("/")[0] for k in kv_list(b"", namespace=NAMESPACE) if k.endswith(b"/current")}
 
 
 def describe(record: dict[str, Any]) -> str:

@@ -201,7 +201,7 @@ class LocalPlacement:
         buffers of ``dst`` it left spare. Only a lost slice's error propagates: the landing is an optimisation."""
         try:
             landed = runtime.guarded(runtime.land, devices)(dst, state, kept)
-        except Exception as err:  # noqa: BLE001 - classified: anything but a slice loss falls back to fresh buffers
+        except Exception as err:
             if runtime.classify_failure(err) is not runtime.FailureKind.OTHER:
                 raise
             why = f"{type(err).__name__}: {str(err)[:200]}"

@@ -75,6 +75,11 @@ class WorkerProcesses:
         self._config = config
         self._spec = spec
 
+    @property
+    def spec(self) -> WorkerSpec:
+        """What each worker is built from."""
+        return self._spec
+
     def actor_options(self) -> dict[str, Any]:
         """Ray options that place a process of this job (a worker, or a standby helper). No ``runtime_env``: a
         process sets its environment up itself (:func:`runtime.distributed.setup_process`), so Ray may hand it one

@@ -19,6 +19,7 @@ from typing import Any
 
 from elastic.errors import ElasticError
 from elastic.log import get_logger
+from elastic.supervision import ray_internals
 from elastic.supervision.notices import Notice
 
 __all__ = ["DRAIN_POLL_S", "NO_DEADLINE_S", "DrainWatcher", "drain_notices"]
@@ -46,15 +47,11 @@ def drain_notices(
 
 
 def _draining() -> dict[str, int]:
-    import ray
-
-    return dict(ray._private.state.state.get_draining_nodes() or {})  # Ray's drain API
+    return ray_internals.draining_nodes()
 
 
 def _node_of(actor_id: str) -> str | None:
-    import ray
-
-    entry = ray._private.state.state.actor_table(actor_id=actor_id)  # Ray's GCS actor table
+    entry = ray_internals.actor_table(actor_id)
     node = (entry or {}).get("Address", {}).get("NodeID")
     return str(node) if node else None
 
@@ -88,7 +85,7 @@ class DrainWatcher:
                 self._failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # a GCS hiccup: poll again (logged once per change)
+            except Exception as err:  # noqa: BLE001 - a GCS hiccup: poll again (logged once per change)
                 if not self._failing:
                     self._log.warning("drain_poll_failed", error=f"{type(err).__name__}: {err}"[:300])
                 self._failing = True
@@ -99,7 +96,7 @@ class DrainWatcher:
         draining = await asyncio.to_thread(_draining)
         if not draining:
             return []
-        agents = {s: a._actor_id.hex() for s, a in self._agents().items()}  # the handle's id
+        agents = {s: ray_internals.actor_id(a) for s, a in self._agents().items()}  # the handle's id
         for actor_id in set(agents.values()) - set(self._nodes):
             self._nodes[actor_id] = await asyncio.to_thread(_node_of, actor_id)
         nodes = {s: node for s, a in agents.items() if (node := self._nodes.get(a)) is not None}

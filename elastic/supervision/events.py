@@ -35,9 +35,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from ray.experimental import internal_kv as kv
-
 from elastic.errors import ConfigError
+from elastic.supervision import ray_internals as kv
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -96,22 +95,22 @@ def new_run(job: str, *, keep_runs: int = KEEP_RUNS, key: str | None = None) -> 
     """A fresh run id for ``job``, recorded as its current run; runs older than the newest ``keep_runs`` go."""
     known = runs(job)
     for old in known[: max(0, len(known) - keep_runs + 1)]:
-        kv._internal_kv_del(_key(job, old, ""), del_by_prefix=True, namespace=NAMESPACE)
+        kv.kv_del(_key(job, old, ""), del_by_prefix=True, namespace=NAMESPACE)
     now = time.time()  # ids sort by start time, to the microsecond
     run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:4]}"
     EventStream(job, run, "job", key=key).append("run_started", job=job, run=run)  # the run exists from its start
-    kv._internal_kv_put(_key(job, "current"), run.encode(), namespace=NAMESPACE)
+    kv.kv_put(_key(job, "current"), run.encode(), namespace=NAMESPACE)
     return run
 
 
 def current_run(job: str) -> str | None:
-    value = kv._internal_kv_get(_key(job, "current"), namespace=NAMESPACE)
+    value = kv.kv_get(_key(job, "current"), namespace=NAMESPACE)
     return value.decode() if value else None
 
 
 def runs(job: str) -> list[str]:
     """The runs of ``job`` with records in the store, oldest first (run ids sort by start time)."""
-    keys = kv._internal_kv_list(_key(job, ""), namespace=NAMESPACE)
+    keys = kv.kv_list(_key(job, ""), namespace=NAMESPACE)
     return sorted({k.decode().split("/")[1] for k in keys if k.count(b"/") >= 3})
 
 
@@ -124,7 +123,7 @@ class EventStream:
         self._key = key
         self._lock = threading.Lock()
         prefix = _key(job, run, writer, "")
-        seqs = [int(k.rsplit(b"/", 1)[1]) for k in kv._internal_kv_list(prefix, namespace=NAMESPACE)]
+        seqs = [int(k.rsplit(b"/", 1)[1]) for k in kv.kv_list(prefix, namespace=NAMESPACE)]
         self._next = max(seqs, default=-1) + 1  # a restarted writer continues its sequence
         self.failed = 0
         self._pool: ThreadPoolExecutor | None = None  # append_soon's writers, started on first use
@@ -180,11 +179,9 @@ class EventStream:
 
         def write() -> None:
             try:
-                kv._internal_kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"), data, namespace=NAMESPACE)
+                kv.kv_put(_key(self.job, self.run, self.writer, f"{seq:012d}"), data, namespace=NAMESPACE)
                 if seq >= self.keep:
-                    kv._internal_kv_del(
-                        _key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"), namespace=NAMESPACE
-                    )
+                    kv.kv_del(_key(self.job, self.run, self.writer, f"{seq - self.keep:012d}"), namespace=NAMESPACE)
             except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the record is lost, counted
                 with self._lock:
                     self.failed += 1
@@ -213,13 +210,13 @@ def read(
     run = run or current_run(job)
     if run is None:
         return []
-    keys = kv._internal_kv_list(_key(job, run, ""), namespace=NAMESPACE)
+    keys = kv.kv_list(_key(job, run, ""), namespace=NAMESPACE)
     if writers is not None:
         wanted = {w.encode() for w in writers}
         keys = [k for k in keys if k.split(b"/")[2] in wanted]
     if not keys:
         return []
-    values = kv.global_gcs_client.internal_kv_multi_get(keys, NAMESPACE.encode())  # type: ignore[attr-defined]  # set once connected
+    values = kv.kv_multi_get(keys, namespace=NAMESPACE)
     records = [r for r in (parse(v) for v in values.values() if v) if r is not None]
     records.sort(key=_order)
     if after is not None:
@@ -257,16 +254,16 @@ def _order(record: dict[str, Any]) -> tuple[float, str, int]:
 def delete_runs(job: str, which: Iterable[str]) -> list[str]:
     """Remove the records of ``job``'s runs ``which``; the runs left (``<job>/current`` goes with the last)."""
     for run in which:
-        kv._internal_kv_del(_key(job, run, ""), del_by_prefix=True, namespace=NAMESPACE)
+        kv.kv_del(_key(job, run, ""), del_by_prefix=True, namespace=NAMESPACE)
     left = runs(job)
     if not left:
-        kv._internal_kv_del(_key(job, "current"), namespace=NAMESPACE)
+        kv.kv_del(_key(job, "current"), namespace=NAMESPACE)
     return left
 
 
 def delete(job: str) -> int:
     """Remove every record of ``job`` (all runs); the number of keys removed."""
-    return kv._internal_kv_del(_key(job, ""), del_by_prefix=True, namespace=NAMESPACE)
+    return kv.kv_del(_key(job, ""), del_by_prefix=True, namespace=NAMESPACE)
 
 
 def dump(records: list[dict[str, Any]], directory: str | os.PathLike, *, report: dict[str, Any] | None = None) -> Path:

@@ -23,9 +23,9 @@ import json
 from typing import Any
 
 import ray
-from ray.experimental import internal_kv as kv
 
 from elastic.errors import AccessError
+from elastic.supervision import ray_internals as kv
 
 __all__ = [
     "NAMESPACE",
@@ -49,7 +49,7 @@ class SquatError(AccessError):
 
 def actor_id(handle: Any) -> str:
     """The hex ID of an actor handle (Ray's own, assigned by the GCS at creation)."""
-    return str(handle._actor_id.hex())  # noqa: SLF001 - Ray's handle exposes its ID only here
+    return kv.actor_id(handle)
 
 
 def _key(job: str, name: str) -> bytes:
@@ -64,14 +64,14 @@ def record(job: str, name: str, handle: Any, key: str) -> None:
     """Record that the job created the actor ``handle`` under ``name`` (signed under ``key``)."""
     ident = actor_id(handle)
     value = {"name": name, "actor_id": ident, "mac": _mac(job, name, ident, key)}
-    kv._internal_kv_put(_key(job, name), json.dumps(value).encode(), namespace=NAMESPACE)
+    kv.kv_put(_key(job, name), json.dumps(value).encode(), namespace=NAMESPACE)
 
 
 def recorded(job: str, name: str, key: str | None) -> str | None:
     """The actor ID the job recorded for ``name``, if a record verifies under ``key``; else None (plain JSON)."""
     if key is None:
         return None
-    raw = kv._internal_kv_get(_key(job, name), namespace=NAMESPACE)
+    raw = kv.kv_get(_key(job, name), namespace=NAMESPACE)
     try:
         value: Any = json.loads(raw) if raw else {}
         ident, mac = value["actor_id"], value["mac"]
@@ -84,18 +84,16 @@ def recorded(job: str, name: str, key: str | None) -> str | None:
 
 def forget(job: str) -> None:
     """Delete the job's records (its actors are gone)."""
-    kv._internal_kv_del(_key(job, ""), del_by_prefix=True, namespace=NAMESPACE)
+    kv.kv_del(_key(job, ""), del_by_prefix=True, namespace=NAMESPACE)
 
 
 def holder(name: str, namespace: str) -> str | None:
     """The ID of the actor (not dead) holding ``name`` in ``namespace``, read from Ray's actor table."""
-    from ray._private import state
     from ray.core.generated import gcs_pb2
 
     table: Any = gcs_pb2.ActorTableData  # type: ignore[attr-defined]  # generated protobuf: no stubs
     dead = table.ActorState.Value("DEAD")
-    accessor = state.state._connect_and_get_accessor()  # noqa: SLF001 - the GCS actor table, as ray.util.state reads it
-    for raw in accessor.get_actor_table(None, None):
+    for raw in kv.actor_table():
         data = table.FromString(raw)
         if data.name == name and data.ray_namespace == namespace and data.state != dead:
             return data.actor_id.hex()

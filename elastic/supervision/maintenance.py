@@ -80,7 +80,7 @@ class MaintenanceListener:
                 self._log.warning("maintenance_notice", reason=reason)
                 try:
                     await self._give(time.time() + self._sources.maintenance_deadline_s, reason)
-                except Exception as err:  # refused or the supervisor away: said once, not retried
+                except Exception as err:  # noqa: BLE001 - refused or the supervisor away: said once, not retried
                     self._log.warning("maintenance_notice_failed", error=f"{type(err).__name__}: {err}"[:300])
                 return
             await asyncio.sleep(self._sources.metadata_poll_s)

@@ -213,7 +213,7 @@ NOTICES = [
 ]
 
 
-def _details(run) -> dict:  # noqa: ANN001
+def _details(run) -> dict:
     """The report's figure of each notice the run was given, by the notice's reason."""
     by_reason = {d["reason"]: d for d in run.record.notice_details}
     return {n["reason"]: (n, by_reason.get(n["reason"])) for n in run.record.notices}

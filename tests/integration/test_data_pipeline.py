@@ -71,7 +71,7 @@ def test_grain_iterator_keeps_its_position_on_a_live_reshard(ray_local):
     def on_step(step: int, metrics: dict[str, Any], run: Run) -> None:
         consumed(step, metrics, run)
         if step in (7, 14):  # hold the step until the client has seen the supervisor's new view
-            job._watcher.wait_for(lambda v, e=run.epoch: v.epoch > e, 30, what="the next view")  # noqa: SLF001
+            job._watcher.wait_for(lambda v, e=run.epoch: v.epoch > e, 30, what="the next view")
 
     job = ElasticJob(
         config("data-live", num_steps=20),

@@ -56,7 +56,7 @@ def test_a_revive_that_does_not_hold_the_loop_grows_back_later_exactly_once(ray_
         if step == 10:  # the revive fired as step 10 started; a held loop would have waited for the new agent
             seen["back_when_step_10_committed"] = 1 in job.controller.view.active
         if step == 14:  # let the new agent register (bounded wait on the view) so that the job grows before it ends
-            job._watcher.wait_for(lambda v: 1 in v.active, 60, what="slice 1 back")  # noqa: SLF001
+            job._watcher.wait_for(lambda v: 1 in v.active, 60, what="slice 1 back")
 
     faults = Faults().kill_slice(1, at_step=4).revive_slice(1, at_step=10, hold=False)
     job, loop = ledger_job("revive-no-hold", faults, on_step=on_step, num_steps=24)

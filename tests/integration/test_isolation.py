@@ -77,16 +77,16 @@ def two_jobs(ray_local):
     finally:
         for group in (mine, other):
             group.shutdown()
-            events.delete(group._config.job_name)  # noqa: SLF001
+            events.delete(group._config.job_name)
 
 
 def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
     mine, other = two_jobs
-    job = mine._config.job_name  # noqa: SLF001
+    job = mine._config.job_name
     path = token_path(job)
     assert read_token(job) == mine.token != other.token
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
-    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001 - what anyone can get
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)
     agent_cred = derive(mine.token, "agent")
     calls = {
         "register (hijack: replace the slice set)": lambda t: raw.register_slices.remote([(1, 99)], None, token=t),
@@ -120,7 +120,7 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
 
 def test_forged_records_are_not_replayed_and_not_shown(two_jobs, monkeypatch, capsys):
     mine, _ = two_jobs
-    job, run = mine._config.job_name, mine.run  # noqa: SLF001
+    job, run = mine._config.job_name, mine.run
     forge(
         job,
         run,
@@ -156,7 +156,7 @@ def test_forged_records_are_not_replayed_and_not_shown(two_jobs, monkeypatch, ca
 
 def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, capsys, tmp_path):
     mine, other = two_jobs
-    job = mine._config.job_name  # noqa: SLF001
+    job = mine._config.job_name
     with pytest.raises(AccessError, match="refused"):
         cleanup(job, purge_events=True, token=other.token)
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
@@ -172,7 +172,7 @@ def test_cleanup_and_reads_of_another_job_are_refused(two_jobs, monkeypatch, cap
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "credential" in err, (argv, err)
     view = ray.get(mine.supervisor.view.remote(), timeout=30)  # the job is whole
     assert view.active == frozenset(range(4)) and events.read(job, mine.run)
-    assert ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    assert ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)
     assert main(["status", "--job", job, "--token-file", _secret(tmp_path, mine.token)]) == 0  # its credential
     assert "epoch 1" in capsys.readouterr().out
 
@@ -272,7 +272,7 @@ def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
             outcomes["cleanup"] = True
         attacked.set()
 
-    t.job._on_step = attack  # noqa: SLF001 - the test's hook into the running job
+    t.job._on_step = attack
     result = t.fit()
     reference = trainer(f"iso-ref-{uuid.uuid4().hex[:6]}").fit()
     assert attacked.is_set() and all(outcomes.values()) and len(outcomes) == 7, outcomes
@@ -433,7 +433,7 @@ def crashed_job(ray_local, monkeypatch, tmp_path):
     monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
     group = ActorGroup(config(f"iso-ssquat-{uuid.uuid4().hex[:6]}", num_slices=2))
     group.launch()
-    namespace = group._config.namespace  # noqa: SLF001
+    namespace = group._config.namespace
     ray.kill(group.supervisor.handle, no_restart=True)
     _gone(SUPERVISOR_NAME, namespace)
     marker = tmp_path / "unpickled"
@@ -443,7 +443,7 @@ def crashed_job(ray_local, monkeypatch, tmp_path):
     finally:
         ray.kill(fake, no_restart=True)
         group.shutdown()
-        events.delete(group._config.job_name)  # noqa: SLF001
+        events.delete(group._config.job_name)
 
 
 def test_a_successor_sends_its_token_to_no_squatted_supervisor(crashed_job):
@@ -451,7 +451,7 @@ def test_a_successor_sends_its_token_to_no_squatted_supervisor(crashed_job):
     the job did not create. It stops with one line; the squatter received nothing (no token) and nothing of it was
     unpickled."""
     group, fake, marker = crashed_job
-    successor = ActorGroup(group._config)  # noqa: SLF001 - the same job: its token comes from the token file
+    successor = ActorGroup(group._config)
     assert successor.token == group.token
     with pytest.raises(AccessError) as refusal:
         successor.launch()
@@ -465,7 +465,7 @@ def test_operator_commands_send_no_token_to_a_squatted_supervisor(crashed_job, m
     squatted supervisor: each a one-line error; the squatter received nothing and nothing of it was unpickled; the
     job's stream is still there."""
     group, fake, marker = crashed_job
-    job = group._config.job_name  # noqa: SLF001
+    job = group._config.job_name
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     token = ["--token-file", _secret(tmp_path, group.token)]
     for argv in (
@@ -489,7 +489,7 @@ def test_another_job_can_neither_silence_nor_stop_nor_stall_the_agents(two_jobs)
     """Attack 3: ``silence``, ``stall``, ``stop_process`` (and ``start``, ``lifeline``, ``alive``) on another job's
     agents, without the credential or with the attacker's own: refused; no slice of the victim is dropped."""
     mine, other = two_jobs
-    namespace = mine._config.namespace  # noqa: SLF001
+    namespace = mine._config.namespace
     for index in range(4):
         raw = ray.get_actor(f"agent-{index}-0", namespace=namespace)  # what anyone can get
         for token in (None, other.control, mine.token, derive(mine.token, "agent")):
@@ -510,8 +510,8 @@ def test_the_supervisors_private_methods_are_unreachable(two_jobs):
     """Attack 3: ``_observe`` (make the job give up), ``_append`` (a correctly signed forged record), ``_refuse``,
     ``_evaluate``: no handle offers them, and a restarted supervisor replays only what the job wrote."""
     mine, _ = two_jobs
-    job, run = mine._config.job_name, mine.run  # noqa: SLF001
-    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    job, run = mine._config.job_name, mine.run
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)
     for name in ("_observe", "_append", "_refuse", "_evaluate", "_authorize", "_replay", "_watch", "_run_monitor"):
         with pytest.raises(AttributeError):
             getattr(raw, name)
@@ -565,8 +565,8 @@ def test_a_flood_of_refused_calls_is_bounded_and_evicts_no_history(two_jobs):
     ten refusal records per method a second, none over 4 KiB, and the supervisor's own records (its replay history)
     untouched."""
     mine, other = two_jobs
-    job, run = mine._config.job_name, mine.run  # noqa: SLF001
-    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)  # noqa: SLF001
+    job, run = mine._config.job_name, mine.run
+    raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)
     history = events.read(job, run, writers=["supervisor"])
     huge = "x" * 1_000_000
     assert refused(raw.inject.remote(huge, 1, token=other.token))
@@ -631,25 +631,25 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
         "supervisor": (
             Supervisor.options(name="supervisor", namespace=namespace).remote(job, cfg.policy, 1.5, 0.05, run, token),
             Supervisor.__ray_metadata__.modified_class,
-        ),  # noqa: E501
+        ),
         "agent": (
             SliceAgent.options(name="agent-0-0", namespace=namespace).remote(0, 0, None, 0.1, job, control=control),
             SliceAgent.__ray_metadata__.modified_class,
-        ),  # noqa: E501
+        ),
         "group agent": (
             SliceGroupAgent.options(name="agents", namespace=namespace).remote({0: 0}, None, 0.1, job, control),
             SliceGroupAgent.__ray_metadata__.modified_class,
-        ),  # noqa: E501
+        ),
         "keeper": (
             Keeper.options(name="keeper-0", namespace=namespace).remote(1, digest(derive(token, "keeper"))),
             Keeper.__ray_metadata__.modified_class,
-        ),  # noqa: E501
+        ),
         "worker": (
             ray.remote(SliceWorker)
             .options(name="agent-1-0", namespace=namespace, max_concurrency=16)
             .remote(1, 0, None, spec, None, control),
             SliceWorker,
-        ),  # noqa: E501
+        ),
         "standby helper": (  # unnamed: its handle is what an actor listing's ID would give another job
             ray.remote(StandbyProcess).remote(str(tmp_path), {}, control),
             StandbyProcess,

@@ -82,7 +82,7 @@ def test_view_wait_is_bounded(ray_local):
     from elastic.errors import RecoveryTimeoutError
 
     class NeverChanges:
-        class wait_for_epoch:  # noqa: N801 - mimics an actor method handle
+        class wait_for_epoch:
             @staticmethod
             def remote(after, timeout_s):
                 return ray.put(View(epoch=after))

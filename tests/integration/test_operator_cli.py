@@ -29,7 +29,7 @@ def test_status_of_a_running_job(ray_local, monkeypatch, capsys):
             assert checked.wait(60), "the status check did not come"
 
     t = trainer("status-live", Faults().kill_slice(2, at_step=8))
-    t.job._on_step = hold  # noqa: SLF001 - the test's hook into the running job
+    t.job._on_step = hold
     box: dict = {}
     worker = threading.Thread(target=lambda: box.update(result=t.fit()), daemon=True)
     worker.start()
@@ -48,10 +48,10 @@ def test_status_of_a_running_job(ray_local, monkeypatch, capsys):
     assert box["result"].report.steps_committed == 40
 
 
-def _held_at(step_to_hold: int, flag: str):  # noqa: ANN202
+def _held_at(step_to_hold: int, flag: str):
     """The demo loop, every worker waiting before ``step_to_hold`` until ``flag`` is set in Ray's internal KV."""
 
-    def held(run):  # noqa: ANN001, ANN202
+    def held(run):
         import time
 
         from ray.experimental import internal_kv

@@ -37,12 +37,12 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(ray_local) -> None:  # noqa: ANN001
+def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(ray_local) -> None:
     spec = ProcessDemoSpec(steps=N, num_slices=3, kill_slice=1, snapshot_every=5, job_name="processes-sigterm")
     config = process_config(spec, notices=NoticeSources(signal="SIGTERM", signal_grace_s=GRACE_S))
     seen: dict[str, object] = {}
 
-    def on_step(step, metrics, run):  # noqa: ANN001, ANN202
+    def on_step(step, metrics, run):
         if step == 2 and "refused" not in seen:
             refused = []
             for slices, deadline_s in ((7, 5.0), (1, -1.0)):  # a slice the job does not hold; a deadline past

@@ -164,13 +164,13 @@ def test_a_failed_rendezvous_raises_and_the_process_lives_on() -> None:
 # -- with Ray: real worker processes, one SIGKILLed ---------------------------------------------------------
 
 
-def _run_demo(spec, **overrides):  # noqa: ANN001, ANN202
+def _run_demo(spec, **overrides):
     from elastic.demos.processes import faults_of, process_config, run_process_demo
 
     return run_process_demo(spec, verify=True, config=process_config(spec, **overrides), faults=faults_of(spec))
 
 
-def _check_promises(report: dict, spec) -> None:  # noqa: ANN001
+def _check_promises(report: dict, spec) -> None:
     assert report["failures_injected"] == 1 and report["recoveries"] >= 1, report
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0
     assert report["steps_committed"] == spec.steps
@@ -182,7 +182,7 @@ def _check_promises(report: dict, spec) -> None:  # noqa: ANN001
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_local) -> None:  # noqa: ANN001
+def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_local) -> None:
     """A random worker SIGKILLed at a random step (seeded: ``ELASTIC_TEST_SEED`` replays a failure); the survivors
     re-form in their own processes and restore from their host memory (their own shards, the buddy copies of the
     lost one's); the step is compiled ahead for the smaller group; a new process for the slice joins at a boundary."""
@@ -226,20 +226,20 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ray_local) -> None:  # noqa: ANN001
+def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ray_local) -> None:
     """A state whose weights are split over every device (each worker holds only its rows) and that carries a typed
     PRNG key: the lost worker's rows come back from the buddy copy its neighbour holds, bit for bit."""
     from elastic import ElasticConfig, ElasticJob, Faults, Policy, Processes, Tiers
 
-    def init(key):  # noqa: ANN001, ANN202
+    def init(key):
         return {"w": jax.random.normal(key, (48, 8)), "key": jax.random.key(3), "n": jnp.zeros((), jnp.int32)}
 
-    def specs(mesh):  # noqa: ANN001, ANN202
+    def specs(mesh):
         return {"w": PartitionSpec(("replica", "local")), "key": PartitionSpec(), "n": PartitionSpec()}
 
-    def loop(run):  # noqa: ANN001, ANN202
+    def loop(run):
         @jax.jit
-        def step_fn(state, x):  # noqa: ANN001, ANN202
+        def step_fn(state, x):
             key, sub = jax.random.split(state["key"])
             noise = jax.random.normal(sub, state["w"].shape)
             return {"w": state["w"] * 0.9 + x.mean() + 0.01 * noise, "key": key, "n": state["n"] + 1}
@@ -251,7 +251,7 @@ def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ra
             run.commit(state)
         return state
 
-    def run_job(name: str, faults: Faults | None):  # noqa: ANN202
+    def run_job(name: str, faults: Faults | None):
         config = ElasticConfig(
             simulated=True,
             job_name=name,

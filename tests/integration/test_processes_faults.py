@@ -27,7 +27,7 @@ def _assert_exact(report: dict, spec: ProcessDemoSpec) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) -> None:  # noqa: ANN001
+def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) -> None:
     """Slice 1's process is stopped (SIGSTOP: a hung host) at step 6: its heartbeats stop too, so the supervisor
     drops it; the others' collective fails on the gloo timeout; the stopped process is killed and the two
     survivors re-form in place."""
@@ -52,7 +52,7 @@ def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) 
 
 
 @pytest.mark.timeout(180)
-def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_of_giving_up(ray_local) -> None:  # noqa: ANN001
+def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_of_giving_up(ray_local) -> None:
     """Every slice is needed (min_slices = num_slices) and the repair timeout is shorter than a process start: a
     killed worker leaves the job below its floor, but a replacement is on its way, so the supervisor waits for it
     (the view never drops the slice; its new agent gets a new view) and the job finishes exact."""
@@ -93,7 +93,7 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
         removed: list[int] = []
         niceness: dict[int, set[int]] = {}
 
-        def remove_at_six(step: int, metrics: dict, run) -> None:  # noqa: ANN001 - on the driver, per commit
+        def remove_at_six(step: int, metrics: dict, run) -> None:
             if step == 6 and not removed:
                 for s in range(4):  # every thread of every worker, Ray's included (nodes of one machine here)
                     pid = ray.get(job.group.agent(s).where.remote())[0]
@@ -127,13 +127,13 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
         cluster.shutdown()
 
 
-def _held_loop(namespace: str, at_step: int):  # noqa: ANN202
+def _held_loop(namespace: str, at_step: int):
     """The demo loop, except that before ``at_step`` every worker waits (bounded) until the supervisor's view holds
     every slice again: the group cannot finish before the new processes join, however slow their start."""
     from elastic.demos.demo import batch, train_step
     from elastic.demos.processes import BATCH
 
-    def held(run):  # noqa: ANN001, ANN202
+    def held(run):
         state, step_fn = run.state, run.jit(train_step)
         for step in run.steps:
             if step == at_step:
@@ -151,7 +151,7 @@ def _held_loop(namespace: str, at_step: int):  # noqa: ANN202
     return held
 
 
-def _demo_init():  # noqa: ANN202
+def _demo_init():
     from elastic.demos.demo import init_state
 
     return init_state
@@ -163,15 +163,15 @@ ROWS = 12  # splits over 4 and 2 slices
 STEPS = 24
 
 
-def _sharded_init(key):  # noqa: ANN001, ANN202
+def _sharded_init(key):
     return {"w": jax.random.normal(key, (ROWS, 4))}
 
 
-def _sharded_specs(mesh):  # noqa: ANN001, ANN202
+def _sharded_specs(mesh):
     return {"w": PartitionSpec("replica")}  # each slice holds its own rows only
 
 
-def _sharded_loop(run):  # noqa: ANN001, ANN202
+def _sharded_loop(run):
     from elastic.demos.demo import batch
 
     state, step_fn = run.state, run.jit(lambda s, x: {"w": s["w"] * 0.9 + 0.1 * x.mean()})
@@ -190,7 +190,7 @@ def _sharded_reference(steps: int) -> np.ndarray:
     return w
 
 
-def _sharded_job(name: str, keeper_every: int):  # noqa: ANN202
+def _sharded_job(name: str, keeper_every: int):
     # slices 1 and 2 die together at step 8: slice 2 held slice 1's buddy copies
     config = ElasticConfig(
         simulated=True,
@@ -213,7 +213,7 @@ def _sharded_job(name: str, keeper_every: int):  # noqa: ANN202
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_lost_with_its_buddy_holder_restores_from_the_keepers(ray_local) -> None:  # noqa: ANN001
+def test_a_worker_lost_with_its_buddy_holder_restores_from_the_keepers(ray_local) -> None:
     result = _sharded_job("processes-two-keepers", keeper_every=1)
     report = result.report
     assert [r["tier"] for r in report.restores] == ["keeper"]
@@ -223,7 +223,7 @@ def test_a_worker_lost_with_its_buddy_holder_restores_from_the_keepers(ray_local
 
 
 @pytest.mark.timeout(180)
-def test_without_keepers_losing_a_shard_and_its_copy_is_a_clear_error(ray_local) -> None:  # noqa: ANN001
+def test_without_keepers_losing_a_shard_and_its_copy_is_a_clear_error(ray_local) -> None:
     started = time.monotonic()
     with pytest.raises(ElasticError, match=r"do not hold a whole step between them"):
         _sharded_job("processes-two-lost", keeper_every=0)
@@ -232,7 +232,7 @@ def test_without_keepers_losing_a_shard_and_its_copy_is_a_clear_error(ray_local)
 
 
 @pytest.mark.timeout(180)
-def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_own_shards(ray_local, tmp_path) -> None:  # noqa: ANN001
+def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_own_shards(ray_local, tmp_path) -> None:
     """The same double loss with no keepers but an Orbax tier: every worker wrote its own shards of each checkpoint,
     and the two survivors restore the newest one onto their mesh (tier "persistent")."""
     config = ElasticConfig(

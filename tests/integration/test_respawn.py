@@ -67,7 +67,7 @@ def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
     finally:
         for group in groups:
             group.shutdown()
-            namespace = group._config.namespace  # noqa: SLF001
+            namespace = group._config.namespace
             until(
                 lambda: not named_actors(namespace),  # noqa: B023 (called before the loop moves on)
                 15,
@@ -77,7 +77,7 @@ def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
 
 def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
     group = launched(EVERY_S)
-    namespace = group._config.namespace  # noqa: SLF001
+    namespace = group._config.namespace
     t0 = time.monotonic()
     group.kill_agent(1)  # ray.kill: the agent is gone for real, its node alive
     view_becomes(group, ALL4 - {1}, 15)
@@ -92,7 +92,7 @@ def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
 
 def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
     group = launched(EVERY_S)
-    namespace = group._config.namespace  # noqa: SLF001
+    namespace = group._config.namespace
     group.kill_agent(1)
     view_becomes(group, ALL4 - {1}, 15)
     window_s, seen, next_incarnation = 8.0, [], 1
@@ -119,7 +119,7 @@ def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
 
 def test_without_respawn_every_s_nothing_is_respawned(launched):
     group = launched(None)
-    namespace = group._config.namespace  # noqa: SLF001
+    namespace = group._config.namespace
     group.kill_agent(1)
     out = view_becomes(group, ALL4 - {1}, 15)
     time.sleep(4.0)
@@ -130,7 +130,7 @@ def test_without_respawn_every_s_nothing_is_respawned(launched):
 def test_a_slice_the_client_saw_fail_is_not_respawned(launched):
     """A slice-loss error in the client means suspect hardware: its agent's death brings no replacement."""
     group = launched(EVERY_S)
-    namespace = group._config.namespace  # noqa: SLF001
+    namespace = group._config.namespace
     view = ray.get(group.supervisor.report_lost.remote([2], "test: its devices failed"), timeout=30)
     assert view.active == ALL4 - {2}, view
     group.kill_agent(2)

@@ -72,7 +72,7 @@ def cluster():
         assert not left, f"Ray processes still running after the cluster stopped (now SIGKILLed): {left}"
 
 
-def _wait_for(what: str, check, timeout_s: float, *, alive: subprocess.Popen, output: Path):  # noqa: ANN001, ANN202
+def _wait_for(what: str, check, timeout_s: float, *, alive: subprocess.Popen, output: Path):
     """Poll ``check()`` until it returns something truthy (that value), at most ``timeout_s``; fail the test if the
     submit process exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s

@@ -75,7 +75,7 @@ def _raise_during(inner: BaseException) -> BaseException:
     try:
         try:
             raise inner
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - re-raised as the chained case
             raise KeyError("while handling the failure")  # noqa: B904 (the implicit __context__ is the case)
     except KeyError as outer:
         return outer

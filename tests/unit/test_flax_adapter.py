@@ -123,7 +123,7 @@ def test_run_jit_and_guard_refuse_nnx_graph_nodes_as_arguments(run):
     for fn in (run.jit(plain_step), run.guard(jax.jit(plain_step))):
         with pytest.raises(ConfigError, match=r"graph nodes \(argument 0: MLP, argument 1: Optimizer\).*NnxAdapter"):
             fn(model, optimizer, x, y)
-    assert run._host.recorded == []  # noqa: SLF001 - refused before it ran
+    assert run._host.recorded == []
 
 
 def test_run_guard_keeps_an_nnx_jit_functions_updates(run):
@@ -134,7 +134,7 @@ def test_run_guard_keeps_an_nnx_jit_functions_updates(run):
     losses = {float(step_fn(model, optimizer, x, y)) for _ in range(3)}
     assert len(losses) == 3 and not np.array_equal(before, model.linear2.kernel[...])
     assert int(model.dropout.rngs.count[...]) == 3 and int(optimizer.step[...]) == 3
-    assert run._host.recorded == []  # noqa: SLF001 - standby compiles jax.jit functions only
+    assert run._host.recorded == []
 
 
 # ---- NNX: state, step, shardings -----------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_nnx_step_equals_plain_nnx_bit_for_bit_and_carries_rngs_and_batch_stats(
         x, y = run.shard_batch(_batch(step))
         state, loss = step_fn(state, x, y)
         assert float(loss) == float(train_step(model, optimizer, x, y))
-    assert run._host.recorded  # noqa: SLF001 - the functional step is recorded for standby compiles
+    assert run._host.recorded
     assert _max_diff(state, nnx.state((model, optimizer))) == 0.0
     back = adapter.module(state)
     assert int(back.dropout.rngs.count[...]) == 3 and jax.dtypes.issubdtype(

@@ -248,8 +248,8 @@ def test_a_paused_copy_holds_until_resumed_or_waited_for() -> None:
     try:
         snaps.pause()
         snaps.save(1, _state(mesh))
-        with snaps._cv:  # noqa: SLF001 - the copy has not finished while paused
-            done = snaps._cv.wait_for(lambda: snaps.latest is not None, 0.3)  # noqa: SLF001
+        with snaps._cv:
+            done = snaps._cv.wait_for(lambda: snaps.latest is not None, 0.3)
         assert not done
         snaps.wait(30)  # resumes it
         assert snaps.latest is not None and snaps.latest.step == 1

@@ -118,7 +118,7 @@ def assert_same(restored: dict, expected_bits: dict) -> None:
 
 def bytes_by_device(snap: Snapshotter, generation: int = -1) -> dict[int, int]:
     held: dict[int, int] = defaultdict(int)
-    gen = snap._generations[generation]  # noqa: SLF001 - reading the placement
+    gen = snap._generations[generation]
     for rec in gen.leaves:
         for piece in rec.pieces:
             for c in piece.copies:
@@ -236,7 +236,7 @@ def test_restored_state_never_aliases_the_snapshot(make, engine):
 def test_every_piece_is_on_distinct_slices(make, copies):
     snap = make(copies=copies)
     saved(snap, 1, make_state())
-    gen = snap._generations[-1]  # noqa: SLF001
+    gen = snap._generations[-1]
     for i, rec in enumerate(gen.leaves):
         for j, piece in enumerate(rec.pieces):
             slices = [c.slice for c in piece.copies]
@@ -256,7 +256,7 @@ def test_replicated_leaf_is_copied_on_exactly_copies_slices(make):
     snap = make(copies=2)
     saved(snap, 1, make_state())
     r = 5  # leaf "r", replicated on all 8 devices
-    gen = snap._generations[-1]  # noqa: SLF001
+    gen = snap._generations[-1]
     assert len(gen.leaves[r].pieces) == 1
     assert len({c.slice for c in copies_of(snap, leaf=r)}) == 2
     assert len(copies_of(snap, leaf=r)) == 2
@@ -268,7 +268,7 @@ def test_leaf_sharded_across_slices_gets_a_buddy_on_another_slice(make):
     saved(snap, 1, state)
     h = 1  # leaf "h": P("replica"), each region lives on one slice only
     shards = state["h"].addressable_shards
-    gen = snap._generations[-1]  # noqa: SLF001
+    gen = snap._generations[-1]
     assert len(gen.leaves[h].pieces) == 4
     for j, piece in enumerate(gen.leaves[h].pieces):
         home = {slice_of(s.device) for s in shards if s.index[0].start == piece.index[0][0]}
@@ -418,7 +418,7 @@ def test_tampered_meta_is_corrupt(make, held):
     snap = make(keep=2)
     for step in range(1, held + 1):
         saved(snap, step, make_state(seed=step), {"at": step, "ledger": [step]})
-    snap._generations[-1].meta["ledger"].append(99)  # noqa: SLF001 - a memory fault in controller state
+    snap._generations[-1].meta["ledger"].append(99)
     if held == 1:
         with pytest.raises(SnapshotCorruptError) as info:
             snap.load(shardings_on(MESH8))
@@ -621,7 +621,7 @@ def test_save_returns_before_the_state_is_computed_and_the_snapshot_survives_its
         for k, want in expected.items():
             np.testing.assert_array_equal(np.asarray(restored.state[k]), want)
     if engine == "host":
-        assert True in snap._engine._copies.values(), "the second save did not stage with the compiled copy"  # noqa: SLF001
+        assert True in snap._engine._copies.values(), "the second save did not stage with the compiled copy"
 
 
 # -- 8. rollback ----------------------------------------------------------------------------
@@ -739,7 +739,7 @@ def test_a_slice_lost_mid_snapshot_leaves_a_usable_snapshot_on_the_survivors(mak
     snap.save(2, state, {"at": 2})
     snap.wait()  # no failure
     assert snap.steps == (1, 2)
-    newest = snap._generations[-1]  # noqa: SLF001
+    newest = snap._generations[-1]
     assert all(c.slice != 1 for leaf in newest.leaves for p in leaf.pieces for c in p.copies)
     restored = snap.load(shardings_on(MESH6_NO1))
     assert restored.step == 2
@@ -762,12 +762,7 @@ def test_restore_gives_runtime_owned_buffers_that_never_alias_the_snapshot_and_c
     state2 = make_state(seed=2)
     saved(snap, 2, state2)
     expected = tree_bits(state2)
-    held = {
-        c.buffer.ctypes.data
-        for leaf in snap._generations[-1].leaves
-        for p in leaf.pieces  # noqa: SLF001
-        for c in p.copies
-    }
+    held = {c.buffer.ctypes.data for leaf in snap._generations[-1].leaves for p in leaf.pieces for c in p.copies}
     restored = snap.load(shardings_on(MESH6_NO1))
     assert not _pointers(restored.state) & held  # nothing aliases the snapshot
     assert snap.steps == (2,)  # the generation stays

@@ -9,15 +9,15 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-from elastic import ConfigError, ElasticConfig, Policy, Trainer  # noqa: E402
-from elastic.api.trainer import StepRunner, example_keys, optax_step  # noqa: E402
-from elastic.runtime import build_mesh, plan_microbatches, replicated, simulated_topology  # noqa: E402
+from elastic import ConfigError, ElasticConfig, Policy, Trainer
+from elastic.api.trainer import StepRunner, example_keys, optax_step
+from elastic.runtime import build_mesh, plan_microbatches, replicated, simulated_topology
 
 IN, HIDDEN, ROWS = 8, 16, 32  # 32 rows: whole on 8 devices, 30 + 2 on 6
 GRAD_TOL = 1e-6  # float32, summation order only: measured max |diff| ~1e-7 (see elastic/trainer.py)

@@ -78,10 +78,11 @@ class SlurmDrains:
         return done
 
     def _drain(self, node_id: str, reason: str) -> bool:
-        import ray
         from ray.core.generated import autoscaler_pb2
 
-        gcs = ray._raylet.GcsClient(address=self._address)  # type: ignore[attr-defined]
+        from elastic.supervision.ray_internals import gcs_client
+
+        gcs = gcs_client(self._address)
         accepted, why = gcs.drain_node(
             node_id,
             autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),  # type: ignore[attr-defined]

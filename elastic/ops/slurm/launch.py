@@ -199,7 +199,9 @@ def _hosts() -> tuple[int, set[str], dict[str, str]]:
     came from, and each alive one's Slurm node name -> Ray node id."""
     import ray
 
-    draining = set(ray._private.state.state.get_draining_nodes() or {})
+    from elastic.supervision.ray_internals import draining_nodes
+
+    draining = set(draining_nodes())
     alive, jobs, names = 0, set(), {}
     for n in ray.nodes():
         res = n.get("Resources", {})
