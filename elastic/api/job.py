@@ -27,18 +27,17 @@ from elastic.control.controller import Controller, JobResult, StepCallback
 from elastic.control.hooks import DriverHook, FaultPlan, JobHandles
 from elastic.control.job_events import ClientEvents
 from elastic.control.metrics import JobMetrics
+from elastic.control.placement import JobMode, Placement
 from elastic.control.report import Ledger, Report, Timeline
-from elastic.control.tiers import TierSet
 from elastic.control.tokens import job_token
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
 from elastic.errors import ConfigError, ElasticError, NoticeError
 from elastic.log import configure_logging, get_logger
 from elastic.loop.run import Run
-from elastic.loop.shardings import check_splits, replicate_all, state_shardings
-from elastic.placements.local import LocalPlacement
+from elastic.loop.shardings import replicate_all, state_shardings
+from elastic.placements.modes import JobParts, for_job
 from elastic.snapshot import SnapshotInfo
 from elastic.supervision import events
-from elastic.supervision.credential import derive
 from elastic.supervision.events import EventStream
 from elastic.supervision.membership import View
 from elastic.supervision.notices import Notice, make_notice
@@ -122,8 +121,6 @@ class ElasticJob:
         if config.global_batch_size is not None and not microbatched:  # a shrink must not strand the batch
             check_batch_splits(config.global_batch_size, config, what="global_batch_size: a batch")
         self._cache_dir = _use_compilation_cache(config.job_name)
-        self._multi = config.processes is not None
-        self.topology = self._topology()
         self._abstract = jax.eval_shape(init_fn, jax.random.key(config.seed))
         if not jax.tree_util.tree_leaves(self._abstract):
             raise ConfigError(
@@ -145,18 +142,22 @@ class ElasticJob:
         self._record_dir = record_dir or os.environ.get(RECORD_DIR_ENV) or None
         self._client_events: ClientEvents | None = None
         self._shardings_fn = shardings_fn or replicate_all(self._abstract)
-        for count in range(config.policy.min_slices, config.num_slices + 1):  # every size it may shrink to
-            if self._multi:
-                self._check_splits_abstract(count)
-                continue
-            try:
-                mesh = runtime.build_mesh(self.topology.slices[:count], mesh_fn)
-            except ValueError as err:
-                raise ConfigError(f"mesh_fn over {count} slice(s): {err}") from err
-            self._check_splits(mesh)  # bad specs fail at once
-        self._tiers = None if self._multi else TierSet(config, self.topology, self._abstract)
-        self._keepers: Any = None  # multi-process mode: the job's keeper actors (the workers push to them)
-        self._placement: Any = None
+        self._mode: JobMode = for_job(
+            JobParts(
+                config=config,
+                init_fn=init_fn,
+                abstract=self._abstract,
+                shardings_fn=self._shardings_fn,
+                mesh_fn=mesh_fn,
+                init_from=self._init_from,
+                init_step=self.init_step,
+                faults=faults,
+                cache_dir=self._cache_dir,
+            )
+        )
+        self.topology = self._mode.topology
+        self._mode.check_meshes()  # bad specs fail at once, for every size the job may shrink to
+        self._placement: Placement | None = None
         self._acct = Accounting(num_slices=config.num_slices, num_steps=config.num_steps)
         self._group: ActorGroup | None = None
         self._watcher: ViewWatcher | None = None
@@ -164,21 +165,6 @@ class ElasticJob:
         self.controller: Controller | None = None  # the controller of the current (or last) run
 
     # -- set-up ----------------------------------------------------------------------------
-    def _topology(self) -> runtime.Topology:
-        cfg = self.config
-        if self._multi:  # the slices' devices live in the workers: this process only names them
-            return runtime.Topology(
-                slices=tuple(
-                    runtime.Slice(index=i, devices=tuple(range(cfg.devices_per_slice))) for i in range(cfg.num_slices)
-                )
-            )
-        try:
-            if cfg.simulated:
-                return runtime.simulated_topology(cfg.num_slices, cfg.devices_per_slice)
-            return runtime.device_topology(cfg.num_slices, cfg.devices_per_slice)
-        except runtime.TopologyError as err:
-            raise ConfigError(str(err)) from err
-
     def shardings(self, mesh: Mesh) -> Any:
         """The state's shardings on ``mesh``, one per leaf (``ConfigError`` when a spec does not fit)."""
         return state_shardings(self._abstract, self._shardings_fn, mesh)
@@ -198,25 +184,6 @@ class ElasticJob:
         """The state's shardings function (the default replicates every leaf)."""
         return self._shardings_fn
 
-    def _check_splits(self, mesh: Mesh) -> None:
-        """``ConfigError`` naming the first state leaf that does not split over ``mesh``."""
-        check_splits(self._abstract, self._shardings_fn, mesh)
-
-    def _check_splits_abstract(self, count: int) -> None:
-        """Multi-process mode: the same check on the default mesh of ``count`` slices, without its devices (a
-        ``mesh_fn`` needs the devices: its meshes are checked by the workers as they form)."""
-        if self._mesh_fn is not None:
-            return
-        mesh = jax.sharding.AbstractMesh(
-            (count, self.config.devices_per_slice), (runtime.REPLICA_AXIS, runtime.LOCAL_AXIS)
-        )
-        try:
-            check_splits(self._abstract, self._shardings_fn, mesh)  # type: ignore[arg-type]
-        except ConfigError:
-            raise
-        except Exception:  # noqa: BLE001 - a shardings_fn that needs real devices: the workers check it
-            pass
-
     def start(self) -> ElasticJob:
         """Connect to Ray, launch the supervisor and agents, and wait for the first view."""
         if self._group is not None:
@@ -224,26 +191,18 @@ class ElasticJob:
         self._ray_started = connect(self._ray_address)
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
-        agents = None
         token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
-        if self._multi:
-            from elastic.placements.processes import WorkerProcesses
-
-            agents = self._worker_processes = WorkerProcesses(self.config, self._worker_spec(token))
-            try:
-                agents.check_fits()
-            except ConfigError:
-                self.close()
-                raise
+        try:
+            agents = self._mode.agents(token)
+        except ConfigError:
+            self.close()
+            raise
         self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
         try:
             # The keepers' processes start while the agents do, and only once the job is this client's: a client
             # refused at launch never touches (nor, closing, kills) another client's keepers.
-            self._group.launch(owned=self._start_keepers)
-            if self._tiers is not None:
-                self._tiers.ready()
-            if self._keepers is not None:
-                self._keepers.ready()
+            self._group.launch(owned=self._start_tiers)
+            self._mode.ready()
         except BaseException:
             self.close()
             raise
@@ -257,64 +216,23 @@ class ElasticJob:
         )
         return self
 
-    def _start_keepers(self) -> None:
-        """Ask for the job's keepers (and persistent tier) without waiting for them: single-process mode's through
-        its tiers, multi-process mode's attached (a taken-over job's) or created for the workers to push to."""
+    def _start_tiers(self) -> None:
+        """Ask for the job's keepers (and persistent tier) without waiting for them (the mode's)."""
         assert self._group is not None
-        if self._tiers is not None:
-            self._tiers.on_event = self._acct.timeline.add
-            self._tiers.start(token=self._group.token, wait=False)
-        elif self.config.tiers.keeper_every:
-            from elastic.snapshot.keeper import KeeperTier, keepers_for
-
-            keeper, actors = derive(self._group.token, "keeper"), self._group.actors
-            self._keepers = KeeperTier.attach(
-                self.config.namespace, adopt=actors.find, credential=keeper
-            ) or KeeperTier(
-                self.config.namespace,
-                num_keepers=keepers_for(self.config.tiers.keepers),
-                keep=1,
-                credential=keeper,
-                adopt=actors.find,
-                created=actors.record,
-            ).start(wait=False)
+        self._mode.start_tiers(self._group, self._acct)
 
     def _snapshot_stats(self) -> dict[str, Any]:
         if self._placement is not None:
             return self._placement.snapshot_stats()
-        if self._tiers is not None:  # before the first run
-            return self._tiers.snapshot_stats()
-        return {"blocking_seconds": 0.0, "snapshots_taken": 0, "held_bytes": 0}
+        return self._mode.snapshot_stats()  # before the first run
 
     def _last_completed(self) -> tuple[int, str] | None:
-        return self._tiers.last_completed if self._tiers is not None else None
-
-    def _worker_spec(self, token: str) -> Any:
-        from elastic.placements.worker import WorkerSpec
-
-        hooks = self._faults.worker_hooks() if self._faults is not None and len(self._faults) else ()
-        return WorkerSpec(
-            config=self.config,
-            init_fn=self._init_fn,
-            shardings_fn=self._shardings_fn,
-            mesh_fn=self._mesh_fn,
-            init_from=None if self._init_from is None else str(self._init_from),
-            init_step=self.init_step,
-            step_hooks=tuple(hooks),
-            cache_dir=self._cache_dir,
-            keepers=bool(self.config.tiers.keeper_every),
-            keeper_credential=derive(token, "keeper"),
-            identity_key=derive(token, "identity"),
-        )
+        return self._mode.last_completed()
 
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
         if started here. Only a client that dies without closing leaves its keepers for a successor."""
-        if self._tiers is not None:
-            self._tiers.close()
-        if self._keepers is not None:
-            self._keepers.close(kill=True)
-            self._keepers = None
+        self._mode.close()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -325,9 +243,7 @@ class ElasticJob:
             self._group.shutdown()
             self._record()
             self._group = None
-        if self.config.simulated and not self._multi and ours:
-            for s in self.topology.slices:
-                runtime.simulated.revive_slice(s)
+        self._mode.release(owned=ours)
         if self._ray_started:
             ray.shutdown()
             self._ray_started = False
@@ -354,13 +270,8 @@ class ElasticJob:
 
     def latest_snapshot(self) -> SnapshotInfo:
         """The newest complete in-memory snapshot, once any in flight has finished (``NoSnapshotError``
-        before the first). Single-process mode."""
-        if self._tiers is None:
-            raise ElasticError(
-                "latest_snapshot() reads the single-process snapshotter; in multi-process mode each "
-                "worker holds its own (see the report's snapshot figures)"
-            )
-        return self._tiers.latest()
+        before the first). Single-process mode (``ElasticError`` in multi-process mode)."""
+        return self._mode.latest_snapshot()
 
     def notice(self, slices: Iterable[int] | int, deadline_s: float, reason: str, source: str = "api") -> Notice:
         """Slice(s) ``slices`` will go within ``deadline_s`` seconds, for ``reason`` (a scheduler's warning): the job
@@ -398,12 +309,12 @@ class ElasticJob:
             job=self.config.job_name,
             topology=self.topology,
             simulated=self.config.simulated,
-            multi=self._multi,
+            multi=self._mode.multi,
             group=lambda: self.group,
             accounting=self._acct,
             watcher=lambda: self._watcher,
-            snapshots=lambda: None if self._tiers is None else self._tiers.snapshots,
-            keepers=lambda: self._keepers,
+            snapshots=self._mode.snapshots,
+            keepers=self._mode.keepers,
         )
 
     # -- running ---------------------------------------------------------------------------------
@@ -439,38 +350,9 @@ class ElasticJob:
                 self._client_events.flush()  # the run's records are in the stream when run returns
         return result
 
-    def _new_placement(self) -> Any:
-        if not self._multi:
-            assert self._tiers is not None
-            return LocalPlacement(
-                self.config,
-                topology=self.topology,
-                mesh_fn=self._mesh_fn,
-                shardings=self.shardings,
-                init_fn=self._init_fn,
-                tiers=self._tiers,
-                initial_state=self._initial_state,
-                init_step=self.init_step,
-            )
-        from elastic.placements.processes import ProcessPlacement
-
-        return ProcessPlacement(
-            self.config,
-            spec=self._worker_processes.spec,
-            group=lambda: self.group,
-            accounting=self._acct,
-            keepers=lambda: self._keepers,
-            cache_dir=self._cache_dir,
-            factory=self._worker_processes,
-        )
-
-    @property
-    def _initial_state(self) -> Callable[[Any], Any] | None:
-        """``init_from``'s reader: the checkpoint's state on the given shardings (None: ``init_fn``)."""
-        path = self._init_from
-        if path is None:
-            return None
-        return lambda shardings: orbax_io.restore_onto(path, self._abstract, shardings)
+    def _new_placement(self) -> Placement:
+        """A placement for one run (the mode's)."""
+        return self._mode.placement(group=lambda: self.group, accounting=self._acct)
 
     @property
     def ledger(self) -> Ledger:

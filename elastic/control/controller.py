@@ -25,7 +25,7 @@ from elastic.config import ElasticConfig
 from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
 from elastic.control.placement import Placement, PrepareHook
-from elastic.control.report import Report
+from elastic.control.report import Report, fill_report
 from elastic.control.stall import StallReporter
 from elastic.control.transitions import (
     Abort,
@@ -171,7 +171,7 @@ class Controller:
             return self._await_view(action)
         if isinstance(action, Finish):
             report = self._acct.finish(machine.view)
-            self._placement.fill(report)
+            fill_report(report, self._placement.figures())
             self._heartbeat_figures(report)
             self._result = JobResult(state=self._placement.final_state(), value=self._value, report=report)
             return None

@@ -20,9 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from elastic import runtime
+from elastic.control.accounting import Accounting
+from elastic.control.cluster import ActorGroup
+from elastic.control.report import PlacementFigures
 from elastic.supervision.membership import View
 
-__all__ = ["PassEnd", "Placed", "Placement", "PlacementHost", "PrepareHook"]
+__all__ = ["JobMode", "PassEnd", "Placed", "Placement", "PlacementHost", "PrepareHook"]
 
 PrepareHook = Callable[[str, int, View], None]  # (phase: "restore" | "reshard" | "grow", step, view)
 
@@ -115,11 +119,60 @@ class Placement(Protocol):
     def snapshot_stats(self) -> dict[str, Any]:
         """The snapshot counters as last known: ``blocking_seconds``, ``snapshots_taken``, ``held_bytes``."""
 
-    def fill(self, report: Any) -> None:
-        """Add the placement's figures (snapshot tiers, standby compiles, mode-specific counts) to ``report``."""
+    def figures(self) -> PlacementFigures:
+        """The placement's figures for the report (snapshot tiers, standby compiles, mode-specific counts), once
+        what is in flight is done (``report.fill_report`` puts them in)."""
 
     def wait_for_standbys(self, timeout: float) -> bool:
         """Until the standby compiles asked for so far are done (tests and benchmarks)."""
 
     def close(self) -> None:
         """Release what the placement holds (threads, processes)."""
+
+
+class JobMode(Protocol):
+    """What a job asks of its mode for its whole life (``elastic.placements.modes.for_job`` makes one): the slices'
+    topology, the mesh checks, the agents, the snapshot tiers the job keeps, and a :class:`Placement` per run."""
+
+    multi: bool  # multi-process mode (a worker process per slice)
+    topology: runtime.Topology
+
+    def check_meshes(self) -> None:
+        """``ConfigError`` naming the first state leaf that does not split over the mesh of some size the job may
+        shrink to (``min_slices`` to ``num_slices``), where this process can build that mesh."""
+
+    def agents(self, token: str) -> Any:
+        """The agent factory of the job's slices (None: the supervisor's default agents); ``ConfigError`` when the
+        cluster cannot hold them. ``token``: the job's credential."""
+
+    def start_tiers(self, group: ActorGroup, accounting: Accounting) -> None:
+        """Ask for the job's keepers (and persistent tier) without waiting for them; once the job is this
+        client's (a client refused at launch never touches another client's keepers)."""
+
+    def ready(self) -> None:
+        """Until the tiers ``start_tiers`` asked for answer."""
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """The snapshot counters before any run placed the state (``Placement.snapshot_stats`` once one did)."""
+
+    def last_completed(self) -> tuple[int, str] | None:
+        """(step, deepest tier) of the newest complete snapshot this process knows of (None: none)."""
+
+    def latest_snapshot(self) -> Any:
+        """The newest complete in-memory snapshot (``ElasticError`` where the driver holds none)."""
+
+    def snapshots(self) -> Any:
+        """The in-memory snapshot tier (a drill's handle; None where the driver holds none)."""
+
+    def keepers(self) -> Any:
+        """The job's keeper client, where the driver keeps one apart from its tiers (None otherwise)."""
+
+    def placement(self, *, group: Callable[[], ActorGroup], accounting: Accounting) -> Placement:
+        """A placement for one run."""
+
+    def close(self) -> None:
+        """Release the tiers (keepers killed: a clean end needs them no more)."""
+
+    def release(self, *, owned: bool) -> None:
+        """After the job's actors are gone: give back what the job took of this process (``owned``: the job was
+        this client's; a client refused at launch leaves the slices alone)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from elastic.log import get_logger
 
-__all__ = ["Ledger", "Report", "Timeline"]
+__all__ = ["Ledger", "PlacementFigures", "Report", "Timeline", "fill_report"]
 
 _log = get_logger("elastic.control.report")
 
@@ -133,3 +133,46 @@ class Report:
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
         out.update(self.extra)
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementFigures:
+    """What a placement adds to the report: its snapshot tiers' counters (``keeper_*``, ``persistent_saves``:
+    None where the mode has no such tier or does not count it), its standby compiles, and mode-specific ``extra``
+    figures."""
+
+    snapshots_requested: int = 0
+    snapshots_taken: int = 0
+    snapshots_coalesced: int = 0
+    snapshots_failed: int = 0
+    snapshot_blocking_seconds: float = 0.0
+    snapshot_held_bytes: int = 0
+    snapshot_copies: int = 0
+    keeper_bytes: int | None = None
+    keeper_pushes: int | None = None
+    persistent_saves: int | None = None
+    standby_compiles: int = 0
+    standby_skipped: int = 0
+    standby_compile_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fill_report(report: Report, figures: PlacementFigures) -> None:
+    """Put a placement's ``figures`` in ``report`` (the one place both modes' figures land)."""
+    report.snapshots_requested = figures.snapshots_requested
+    report.snapshots_taken = figures.snapshots_taken
+    report.snapshots_coalesced = figures.snapshots_coalesced
+    report.snapshots_failed = figures.snapshots_failed
+    report.snapshot_blocking_seconds = round(figures.snapshot_blocking_seconds, 4)
+    report.snapshot_held_bytes = figures.snapshot_held_bytes
+    report.snapshot_copies = figures.snapshot_copies
+    if figures.keeper_bytes is not None:
+        report.keeper_bytes = figures.keeper_bytes
+    if figures.keeper_pushes is not None:
+        report.keeper_pushes = figures.keeper_pushes
+    if figures.persistent_saves is not None:
+        report.persistent_saves = figures.persistent_saves
+    report.standby_compiles = figures.standby_compiles
+    report.standby_skipped = figures.standby_skipped
+    report.standby_compile_seconds = round(figures.standby_compile_seconds, 3)
+    report.extra.update(figures.extra)

@@ -7,7 +7,7 @@
 3. Persistent (``snapshot.persistent.PersistentTier``): an asynchronous Orbax checkpoint every
    ``tiers.persistent_every`` steps.
 
-A restore tries them in that order and says which one it used.
+A restore tries them in that order (:func:`elastic.control.sources.choose_source`) and says which one it used.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 
 from elastic import runtime
 from elastic.config import ElasticConfig
-from elastic.control.report import Report
-from elastic.errors import ElasticError
+from elastic.control.report import PlacementFigures
+from elastic.control.sources import Found, Source, choose_source
 from elastic.log import get_logger
 from elastic.snapshot import (
     NoSnapshotError,
@@ -44,7 +44,7 @@ class TierSet:
     def __init__(self, config: ElasticConfig, topology: runtime.Topology, abstract_state: Any) -> None:
         self._config = config
         tiers = config.tiers
-        slice_by_id = {d.id: s.index for s in topology.slices for d in s.devices}
+        self._slice_by_id = slice_by_id = {d.id: s.index for s in topology.slices for d in s.devices}
         self._snapshots = Snapshotter(
             SnapshotConfig(
                 keep=config.keep_snapshots, copies=min(tiers.copies, config.num_slices), on_busy=tiers.on_busy
@@ -164,52 +164,70 @@ class TierSet:
         In memory first (survivors' copies only), then the keepers, then the persistent tier. ``borrow``: the
         memory tier may hand back its own bytes (``Restored.borrowed``; see ``Snapshotter.load``).
         """
+        restored: Restored | None = None
         try:
             # A snapshot still in flight is the newest: restored from its staged shards, or waited for.
-            return self._snapshots.load(shardings, available=set(devices), borrow=borrow)
+            restored = self._snapshots.load(shardings, available=set(devices), borrow=borrow)
         except NoSnapshotError:
             pass
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:
             self._log.warning("memory_tier_unusable", epoch=epoch, error=str(err)[:300])
         finally:
             self.last_wait_seconds = self._snapshots.stats()["last_load_wait_seconds"]
-        held_in_memory = self._snapshots.latest is not None
-        if self._keepers is not None:
-            image = self._keepers.latest(timeout=WAIT_S)
-            if image is not None:
-                state = restore_image(image, self._treedef, shardings)
-                meta = {k: v for k, v in image.meta.items() if k != "_values"}
-                return Restored(step=image.step, generation=image.generation, state=state, meta=meta, tier="keeper")
-        if self._persistent is not None and self._persistent.latest_step() is not None:
+        choice = choose_source(
+            None if restored is None else (restored.step, restored),
+            keepers=self._keeper_image,
+            orbax=self._persistent_step,
+            committed=self._snapshots.latest is not None,
+            survivors=sorted({self._slice_by_id[d.id] for d in devices if d.id in self._slice_by_id}),
+        )
+        if choice.source is Source.MEMORY:
+            return restored
+        if choice.source is Source.KEEPER:
+            image = choice.found
+            state = restore_image(image, self._treedef, shardings)
+            meta = {k: v for k, v in image.meta.items() if k != "_values"}
+            return Restored(step=image.step, generation=image.generation, state=state, meta=meta, tier="keeper")
+        if choice.source is Source.PERSISTENT:
             step, state, meta = self._persistent.load(self.target(shardings))
             return Restored(step=step, generation=step, state=state, meta=meta, tier="persistent")
-        if held_in_memory:
-            raise ElasticError(
-                "no tier can restore the state: the in-memory snapshot lost more slices than its copies survive "
-                "and no keeper or persistent copy exists; raise tiers.copies, or turn on tiers.keeper_every or "
-                "tiers.persistent_dir"
-            )
         return None
 
+    def _keeper_image(self) -> Found | None:
+        image = None if self._keepers is None else self._keepers.latest(timeout=WAIT_S)
+        return None if image is None else (image.step, image)
+
+    def _persistent_step(self) -> Found | None:
+        step = None if self._persistent is None else self._persistent.latest_step()
+        return None if step is None else (step, None)
+
     # -- accounting and shutdown ------------------------------------------------------------
-    def fill(self, report: Report) -> None:
+    def figures(self, **standby: Any) -> PlacementFigures:
+        """The tiers' counters for the report, once the snapshot, keeper pushes and Orbax saves in flight are done;
+        ``standby``: the placement's standby figures (``PlacementFigures`` fields)."""
         self._wait()
         s = self._snapshots.stats()
-        report.snapshots_requested = s["snapshots_requested"]
-        report.snapshots_taken = s["snapshots_taken"]
-        report.snapshots_coalesced = s["snapshots_coalesced"]
-        report.snapshots_failed = s["snapshots_failed"]
-        report.snapshot_blocking_seconds = round(s["blocking_seconds"], 4)
-        report.snapshot_held_bytes = s["held_bytes"]
-        report.snapshot_copies = s["copies"]
+        keeper: dict[str, Any] = {}
         if self._keepers is not None:
             self._keepers.wait(WAIT_S)
-            k = self._keepers.stats()
-            report.keeper_bytes = k["keeper_bytes"]
-            report.keeper_pushes = k["keeper_pushes"]
+            keeper = self._keepers.stats()
+        saves = None
         if self._persistent is not None:
             self._persistent.wait()
-            report.persistent_saves = self._persistent.stats()["persistent_saves"]
+            saves = self._persistent.stats()["persistent_saves"]
+        return PlacementFigures(
+            snapshots_requested=s["snapshots_requested"],
+            snapshots_taken=s["snapshots_taken"],
+            snapshots_coalesced=s["snapshots_coalesced"],
+            snapshots_failed=s["snapshots_failed"],
+            snapshot_blocking_seconds=s["blocking_seconds"],
+            snapshot_held_bytes=s["held_bytes"],
+            snapshot_copies=s["copies"],
+            keeper_bytes=keeper.get("keeper_bytes"),
+            keeper_pushes=keeper.get("keeper_pushes"),
+            persistent_saves=saves,
+            **standby,
+        )
 
     def close(self) -> None:
         """Stop the snapshot thread, kill the keepers (a clean end needs them no more), finish Orbax writes."""

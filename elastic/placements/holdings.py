@@ -78,6 +78,7 @@ class Holdings:
         self._buddies: dict[int, dict[int, HostImage]] = {}  # slice -> step -> image
         self._snap: Snapshotter | None = None
         self._send: list[Send] = []
+        self._static: dict[str, Any] = {}  # the group's meta added to every image (see save)
         self._stats = {
             "snapshots_requested": 0,
             "snapshots_taken": 0,
@@ -92,7 +93,7 @@ class Holdings:
         device's slice); each completed generation is handed to every ``send`` (the buddy, the keepers). ``state``:
         the group's state, planned for now (its first snapshot then costs the training thread no planning)."""
         self._send = list(send)
-        self._static: dict[str, Any] = {}
+        self._static = {}
         self._snap = Snapshotter(
             SnapshotConfig(keep=self.keep, copies=1, on_busy=self._on_busy),
             slice_of=slice_of,
@@ -111,7 +112,7 @@ class Holdings:
         self._snap.save(step, state, meta)
 
     def _with_static(self, image: HostImage) -> HostImage:
-        static = getattr(self, "_static", None)
+        static = self._static
         if not static:
             return image
         meta = {**image.meta, **static}

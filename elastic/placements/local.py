@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from elastic import runtime
 from elastic.config import ElasticConfig
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
+from elastic.control.report import PlacementFigures
 from elastic.control.tiers import TierSet
 from elastic.loop.host import PassHost
 from elastic.loop.run import LiveState, Regroup, Run
@@ -257,11 +258,11 @@ class LocalPlacement:
         """The snapshotter's counters (blocking seconds, snapshots taken, bytes held)."""
         return self._tiers.snapshot_stats()
 
-    def fill(self, report: Any) -> None:
-        self._tiers.fill(report)
+    def figures(self) -> PlacementFigures:
         stats = self._standby.stats
-        report.standby_compiles, report.standby_skipped = stats.compiled, stats.skipped
-        report.standby_compile_seconds = round(stats.seconds, 3)
+        return self._tiers.figures(
+            standby_compiles=stats.compiled, standby_skipped=stats.skipped, standby_compile_seconds=stats.seconds
+        )
 
     def wait_for_standbys(self, timeout: float) -> bool:
         return self._standby.wait(timeout)

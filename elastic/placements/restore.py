@@ -19,7 +19,7 @@ import numpy as np
 from elastic.snapshot.errors import SnapshotStructureError
 from elastic.snapshot.image import Index, assemble, owned_copy, region, wrap_keys
 
-__all__ = ["Layout", "layout_of", "restore_state"]
+__all__ = ["Layout", "layout_of", "own_pieces", "restore_state"]
 
 Layout = list[tuple[tuple[int, ...], str, str | None]]  # per leaf: stored shape, stored dtype, key impl (or None)
 
@@ -85,3 +85,22 @@ def _assemble(want: Index, pieces: Pieces, dtype: str) -> np.ndarray | None:
 def covers(want: Index, pieces: Pieces, dtype: str) -> bool:
     """Whether ``pieces`` cover region ``want``."""
     return _assemble(want, pieces, dtype) is not None
+
+
+def own_pieces(state: Any) -> dict[str, Any]:
+    """This process's pieces of ``state`` (its own regions, host arrays) per leaf, and the state's layout (typed
+    keys as their key data): ``{"layout": [], "pieces": []}`` for no state."""
+    if state is None:
+        return {"layout": [], "pieces": []}
+    leaves = jax.tree_util.tree_leaves(state)
+    out = []
+    for leaf in leaves:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        seen: dict[Any, Any] = {}
+        for shard in leaf.addressable_shards:
+            index = region(shard.index, tuple(leaf.shape))
+            if index not in seen:
+                seen[index] = jax.device_get(shard.data)
+        out.append(list(seen.items()))
+    return {"layout": layout_of(leaves), "pieces": out}

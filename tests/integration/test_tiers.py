@@ -88,7 +88,7 @@ def test_two_slices_lost_at_once_fall_back_to_the_keepers(ray_local):
     job, loop = ledger_job("tier-two-lost", faults, tiers=Tiers(copies=2, keeper_every=1))
     with job:
         result = job.run(loop)
-        keepers = len(job._tiers._keepers.handles())
+        keepers = len(job._mode.tiers._keepers.handles())
     assert_exactly_once(result)
     tiers = [r["tier"] for r in result.report.restores]
     assert tiers == ["keeper"], result.report.restores
@@ -116,7 +116,7 @@ def test_a_restore_onto_slices_lost_meanwhile_is_a_slice_loss(ray_local):
         try:
             placement.prepare(View(epoch=1, active=frozenset(range(4))), live=False, during=lambda *a: None)
             state = placement._prepared[2]
-            job._tiers.save(0, state, {"extras": {}})
+            job._mode.tiers.save(0, state, {"extras": {}})
             assert job.latest_snapshot().step == 0
             for s in job.topology.slices:
                 runtime.simulated.kill_slice(s)
