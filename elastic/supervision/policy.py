@@ -192,8 +192,9 @@ def decide(
     policy: Policy,
     coming: AbstractSet[int] = frozenset(),
     leaving: AbstractSet[int] = frozenset(),
+    renewed: AbstractSet[int] = frozenset(),
 ) -> Decision:
-    """What the supervisor should do now.
+    """What the supervisor should do now: its answer is carried out unchanged.
 
     ``history`` is the health events so far, oldest first, or a :class:`HealthTally` of them built for
     ``policy`` (the same answer, in O(slices) rather than O(history x slices)). A tally is only read.
@@ -203,8 +204,26 @@ def decide(
     when nothing that could arrive in time would be enough. ``leaving``: slices a notice says will go; still
     healthy, they are left (:class:`Leave`) while ``min_slices`` others remain, and never taken back (a new agent of
     the slice, registering once it has gone and come back, is no longer leaving: the caller drops it then). Fewer
-    would remain: the job keeps them until they go, and the failure path takes over then.
+    would remain: the job keeps them until they go, and the failure path takes over then. ``renewed``: active
+    slices whose agent is not the one they had when ``view`` was published (a lost member replaced before a view
+    could drop it); where the answer would be :class:`Stay`, it is a :class:`Grow` over the same slices, so that
+    the job re-forms with the new agent.
     """
+    decision = _judge(view, history, now, policy, coming, leaving)
+    if isinstance(decision, Stay) and renewed:
+        return Grow(to=view.active, reason=f"slice(s) {_names(renewed)}: a new agent replaces the lost one")
+    return decision
+
+
+def _judge(
+    view: View,
+    history: Sequence[HealthEvent] | HealthTally,
+    now: float,
+    policy: Policy,
+    coming: AbstractSet[int],
+    leaving: AbstractSet[int],
+) -> Decision:
+    """:func:`decide` before a renewed member is taken into account."""
     if view.gave_up is not None:
         return Stay(reason=f"already gave up: {view.gave_up}")
     tally = history if isinstance(history, HealthTally) else HealthTally(policy, history)

@@ -451,14 +451,14 @@ class Supervisor:
             if self._monitor is None or self._closed:
                 return
             decision = decide(
-                self._view, self._tally, time.monotonic(), self._policy, self._arriving(), frozenset(self._leaving)
+                self._view,
+                self._tally,
+                time.monotonic(),
+                self._policy,
+                self._arriving(),
+                frozenset(self._leaving),
+                self._renewed(),
             )
-            renewed = self._renewed()
-            if isinstance(decision, Stay) and renewed:  # same slices, but a lost member's agent was replaced
-                decision = Grow(
-                    to=self._view.active,
-                    reason=f"slice(s) {', '.join(map(str, sorted(renewed)))}: a new agent replaces the lost one",
-                )
             if isinstance(decision, (Stay, Wait)):
                 if isinstance(decision, Wait) and (
                     not self._events or self._events[-1].get("reason") != decision.reason
