@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from elastic.errors import ConfigError
 from elastic.supervision.membership import HealthEvent, View
+from elastic.supervision.notices import Notice
 from elastic.validate import count, positive
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Wait",
     "GiveUp",
     "decide",
+    "next_view",
     "healthy_slices",
     "HealthTally",
 ]
@@ -285,3 +287,25 @@ def _judge(
             f"remain, below min_slices={policy.min_slices}: kept until they go"
         )
     return Stay(reason="membership unchanged")
+
+
+def next_view(view: View, decision: Decision, notice_of: Callable[[int], Notice]) -> View | None:
+    """The view that carries out ``decision`` after ``view`` (the next epoch), or None to keep ``view`` (:class:`Stay`,
+    :class:`Wait`). ``notice_of``: the notice each slice a :class:`Leave` leaves goes on (the view holds each once)."""
+    epoch = view.epoch + 1
+    if isinstance(decision, Leave):
+        notices: dict[int, Notice] = {}  # one notice may name several of the slices
+        for s in sorted(decision.leaving):
+            notices.setdefault(id(notice_of(s)), notice_of(s))
+        return View(
+            epoch=epoch,
+            active=decision.to,
+            reason=decision.reason,
+            leaving=decision.leaving,
+            notices=tuple(notices.values()),
+        )
+    if isinstance(decision, (Shrink, Grow)):
+        return View(epoch=epoch, active=decision.to, reason=decision.reason)
+    if isinstance(decision, GiveUp):
+        return View(epoch=epoch, active=view.active, gave_up=decision.reason, reason=decision.reason)
+    return None
