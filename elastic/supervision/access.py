@@ -1,6 +1,7 @@
 """The supervisor's gate: who may call which method, and how a refused call is recorded without a flood.
 
-A call carries ``token=``; :meth:`Gate.check` accepts the job's token, or for the methods open to agents their
+A call carries ``token=``; every public method of the supervisor is :func:`guarded` (its one check, before its body
+runs), and :meth:`Gate.check` accepts the job's token, or for the methods open to agents their
 derived credential (only the digests are held, :mod:`elastic.supervision.credential`). A refusal raises
 :class:`~elastic.errors.AccessError` and is written to the job's stream as ``refused_command`` naming the
 *method* (a fixed name of the supervisor's, never a string the caller chose), under a writer of its own
@@ -12,16 +13,19 @@ its caller, so the bound is per method, which bounds every caller together); eac
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, cast
 
 from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.supervision import credential
 from elastic.supervision.events import EventStream
 
-__all__ = ["Gate", "MAX_RECORD_BYTES", "REFUSALS_KEPT", "REFUSALS_WRITER"]
+__all__ = ["Gate", "Guarded", "guarded", "MAX_RECORD_BYTES", "REFUSALS_KEPT", "REFUSALS_WRITER"]
 
 REFUSALS_WRITER = "supervisor-refusals"
 REFUSALS_KEPT = 1_000  # refusal records kept per run (older ones are deleted as new ones land)
@@ -30,10 +34,12 @@ BURST, EVERY_S = 10, 1.0  # per method: the first ten refusals written, then one
 
 
 class Gate:
-    """Checks the credential of each call on one job's supervisor (``token`` None: an open gate, for tests)."""
+    """Checks the credential of each call on one job's supervisor (``token`` None: an open gate, for tests);
+    ``epoch`` gives the epoch a refusal's record names."""
 
-    def __init__(self, job: str, run: str, token: str | None) -> None:
+    def __init__(self, job: str, run: str, token: str | None, *, epoch: Callable[[], int] = lambda: 0) -> None:
         self._job = job
+        self._epoch = epoch
         self._token_digest = credential.digest(token) if token is not None else None
         self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
         key = credential.derive(token, "stream") if token is not None else None
@@ -46,7 +52,7 @@ class Gate:
     def open(self) -> bool:
         return self._token_digest is None
 
-    def check(self, token: Any, method: str, *, agents: bool = False, epoch: int = 0) -> None:
+    def check(self, token: Any, method: str, *, agents: bool = False) -> None:
         """``AccessError`` unless ``token`` is the job's credential (``agents``: or its agents'). ``method`` is the
         supervisor's own name for the call."""
         if self._token_digest is None:
@@ -58,9 +64,37 @@ class Gate:
         written, last = self._written.get(method, (0, -math.inf))
         if written < BURST or now - last >= EVERY_S:
             self._written[method] = (written + 1, now)
-            self._stream.append("refused_command", command=method[:64], epoch=epoch, refused=self.refused)
+            self._stream.append("refused_command", command=method[:64], epoch=self._epoch(), refused=self.refused)
             self._log.warning("command_refused", command=method[:64], refused=self.refused)
         raise AccessError(
             f"{method[:64]} refused: it does not carry job {self._job!r}'s credential (only the job's own "
             "client, its agents, or an operator holding its token may call it)"
         )
+
+
+class Guarded(Protocol):
+    """An actor whose public methods are :func:`guarded`: it holds its :class:`Gate`."""
+
+    gate: Gate
+
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def guarded(method: str, *, agents: bool = False) -> Callable[[F], F]:
+    """The credential check of a public method of a :class:`Guarded` actor, the only one: the call's ``token``
+    (keyword or positional) goes through ``self.gate`` (:meth:`Gate.check`, ``method`` the fixed name a refusal
+    records; ``agents``: the agents' credential is accepted too) before the body runs."""
+
+    def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        async def checked(self: Guarded, *args: Any, **kwargs: Any) -> Any:
+            token = signature.bind(self, *args, **kwargs).arguments.get("token")
+            self.gate.check(token, method, agents=agents)
+            return await fn(self, *args, **kwargs)
+
+        return cast(F, checked)
+
+    return wrap

@@ -24,6 +24,7 @@ from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
+from elastic.supervision.heartbeat import Heartbeat
 from elastic.supervision.maintenance import MaintenanceListener
 from elastic.supervision.sources import NoticeSources
 
@@ -56,10 +57,9 @@ class SliceAgent:
         self._slice = slice_index
         self._incarnation = incarnation
         self._supervisor = supervisor
-        self._interval_s = interval_s
         self._silent = False
-        self._task: asyncio.Task | None = None
         self._log = get_logger("elastic.supervision.agent", job=job, slice=slice_index)
+        self._heartbeat = Heartbeat(supervisor, self._due, interval_s, self._log)
         self._listener: MaintenanceListener | None = None
         self._listening: asyncio.Task | None = None
         if sources is not None and sources.metadata_url is not None:
@@ -70,8 +70,7 @@ class SliceAgent:
         configured); returns the incarnation."""
         check_control(self._control, token, "start", self._log)
         await self._supervisor.register.remote(self._slice, self._incarnation, ray.get_runtime_context().current_actor)
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._beat())
+        self._heartbeat.start()
         if self._listener is not None and self._listening is None:
             self._listening = asyncio.get_running_loop().create_task(self._listener.run())
         return self._incarnation
@@ -82,18 +81,9 @@ class SliceAgent:
             [(self._slice, self._incarnation)], deadline, reason, "maintenance"
         )
 
-    async def _beat(self) -> None:
-        while True:
-            if not self._silent:
-                try:
-                    known = await self._supervisor.heartbeat.remote(self._slice, self._incarnation)
-                    if not known:  # the supervisor restarted or dropped us: register again
-                        await self._supervisor.register.remote(
-                            self._slice, self._incarnation, ray.get_runtime_context().current_actor
-                        )
-                except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
-                    self._log.warning("heartbeat_failed", error=repr(err))
-            await asyncio.sleep(self._interval_s)
+    def _due(self) -> list[tuple[int, int]]:
+        """What beats now: this agent's slice, unless silenced."""
+        return [] if self._silent else [(self._slice, self._incarnation)]
 
     async def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's await fails when this actor dies."""
@@ -138,34 +128,21 @@ class SliceGroupAgent:
         self._control = control  # digest of the job's control credential
         self._slices = dict(slices)
         self._supervisor = supervisor
-        self._interval_s = interval_s
         self._silent: set[int] = set()
-        self._task: asyncio.Task | None = None
         self._log = get_logger("elastic.supervision.agent", job=job, slices=len(self._slices))
+        self._heartbeat = Heartbeat(supervisor, self._due, interval_s, self._log)
 
     async def start(self, token: str | None = None) -> list[int]:
         """Register every slice with the supervisor and start heartbeating; returns the slices."""
         check_control(self._control, token, "start", self._log)
-        await self._register(sorted(self._slices))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._beat())
+        me = ray.get_runtime_context().current_actor
+        await self._supervisor.register_slices.remote(sorted(self._slices.items()), me)
+        self._heartbeat.start()
         return sorted(self._slices)
 
-    async def _register(self, slices: list[int]) -> None:
-        me = ray.get_runtime_context().current_actor
-        await self._supervisor.register_slices.remote([(s, self._slices[s]) for s in slices], me)
-
-    async def _beat(self) -> None:
-        while True:
-            beats = [(s, incarnation) for s, incarnation in self._slices.items() if s not in self._silent]
-            if beats:
-                try:
-                    unknown = await self._supervisor.heartbeats.remote(beats)
-                    if unknown:  # the supervisor restarted or dropped these: register them again
-                        await self._register(unknown)
-                except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
-                    self._log.warning("heartbeat_failed", error=repr(err))
-            await asyncio.sleep(self._interval_s)
+    def _due(self) -> list[tuple[int, int]]:
+        """What beats now: every slice not silenced."""
+        return [(s, incarnation) for s, incarnation in self._slices.items() if s not in self._silent]
 
     async def lifeline(self, token: str | None = None) -> None:
         """Never returns; the caller's await fails when this actor dies."""

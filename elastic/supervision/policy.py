@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from elastic.errors import ConfigError
 from elastic.supervision.membership import HealthEvent, View
+from elastic.supervision.notices import Notice
 from elastic.validate import count, positive
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Wait",
     "GiveUp",
     "decide",
+    "next_view",
     "healthy_slices",
     "HealthTally",
 ]
@@ -192,8 +194,9 @@ def decide(
     policy: Policy,
     coming: AbstractSet[int] = frozenset(),
     leaving: AbstractSet[int] = frozenset(),
+    renewed: AbstractSet[int] = frozenset(),
 ) -> Decision:
-    """What the supervisor should do now.
+    """What the supervisor should do now: its answer is carried out unchanged.
 
     ``history`` is the health events so far, oldest first, or a :class:`HealthTally` of them built for
     ``policy`` (the same answer, in O(slices) rather than O(history x slices)). A tally is only read.
@@ -203,8 +206,26 @@ def decide(
     when nothing that could arrive in time would be enough. ``leaving``: slices a notice says will go; still
     healthy, they are left (:class:`Leave`) while ``min_slices`` others remain, and never taken back (a new agent of
     the slice, registering once it has gone and come back, is no longer leaving: the caller drops it then). Fewer
-    would remain: the job keeps them until they go, and the failure path takes over then.
+    would remain: the job keeps them until they go, and the failure path takes over then. ``renewed``: active
+    slices whose agent is not the one they had when ``view`` was published (a lost member replaced before a view
+    could drop it); where the answer would be :class:`Stay`, it is a :class:`Grow` over the same slices, so that
+    the job re-forms with the new agent.
     """
+    decision = _judge(view, history, now, policy, coming, leaving)
+    if isinstance(decision, Stay) and renewed:
+        return Grow(to=view.active, reason=f"slice(s) {_names(renewed)}: a new agent replaces the lost one")
+    return decision
+
+
+def _judge(
+    view: View,
+    history: Sequence[HealthEvent] | HealthTally,
+    now: float,
+    policy: Policy,
+    coming: AbstractSet[int],
+    leaving: AbstractSet[int],
+) -> Decision:
+    """:func:`decide` before a renewed member is taken into account."""
     if view.gave_up is not None:
         return Stay(reason=f"already gave up: {view.gave_up}")
     tally = history if isinstance(history, HealthTally) else HealthTally(policy, history)
@@ -266,3 +287,25 @@ def decide(
             f"remain, below min_slices={policy.min_slices}: kept until they go"
         )
     return Stay(reason="membership unchanged")
+
+
+def next_view(view: View, decision: Decision, notice_of: Callable[[int], Notice]) -> View | None:
+    """The view that carries out ``decision`` after ``view`` (the next epoch), or None to keep ``view`` (:class:`Stay`,
+    :class:`Wait`). ``notice_of``: the notice each slice a :class:`Leave` leaves goes on (the view holds each once)."""
+    epoch = view.epoch + 1
+    if isinstance(decision, Leave):
+        notices: dict[int, Notice] = {}  # one notice may name several of the slices
+        for s in sorted(decision.leaving):
+            notices.setdefault(id(notice_of(s)), notice_of(s))
+        return View(
+            epoch=epoch,
+            active=decision.to,
+            reason=decision.reason,
+            leaving=decision.leaving,
+            notices=tuple(notices.values()),
+        )
+    if isinstance(decision, (Shrink, Grow)):
+        return View(epoch=epoch, active=decision.to, reason=decision.reason)
+    if isinstance(decision, GiveUp):
+        return View(epoch=epoch, active=view.active, gave_up=decision.reason, reason=decision.reason)
+    return None

@@ -491,3 +491,29 @@ def test_decide_with_slices_leaving(policy, view, history, leaving, kind, fields
     for name, expected in fields.items():
         assert getattr(decision, name) == expected, decision
     check_reason(decision, must_name, words)
+
+
+# -- a renewed member: the same slices, but an active slice's agent was replaced ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("view", "history", "renewed", "kind", "to"),
+    [
+        pytest.param(View(epoch=1, active=ALL4), up(0.0, 0, 1, 2, 3), {2}, Grow, ALL4, id="unchanged-renewed-grows"),
+        pytest.param(View(epoch=1, active=ALL4), up(0.0, 0, 1, 2, 3), set(), Stay, None, id="unchanged-stays"),
+        pytest.param(View(epoch=1, active=ALL4), ONE_LOST, {2}, Shrink, frozenset({0, 2, 3}), id="a-shrink-wins"),
+        pytest.param(
+            View(epoch=1, active=frozenset({0, 1})), up(0.0, 0, 1, 2), {1}, Grow, frozenset({0, 1, 2}), id="a-grow-wins"
+        ),
+    ],
+)
+def test_a_renewed_member_turns_a_stay_into_a_grow_over_the_same_slices(view, history, renewed, kind, to):
+    """``renewed`` (an active slice whose lost agent a new one replaced before a view could drop it) makes ``decide``
+    answer a Grow over the view's own slices where it would stay, naming them; any other answer is unchanged."""
+    decision = decide(view, history, 10.0, Policy(min_slices=1), renewed=frozenset(renewed))
+    assert type(decision) is kind, decision
+    if to is not None:
+        assert decision.to == to, decision
+    if kind is Grow and to == view.active:
+        assert decision.reason == "slice(s) 2: a new agent replaces the lost one", decision
+        check_reason(decision, (2,), ("new agent",))
