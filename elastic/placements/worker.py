@@ -44,6 +44,7 @@ from elastic.placements.signal_notice import SignalNotice
 from elastic.runtime import distributed
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision.agent import check_control
+from elastic.supervision.heartbeat import Heartbeat
 from elastic.supervision.membership import View
 
 __all__ = ["DRIVER_LEASE_S", "GroupPlan", "SliceWorker", "WorkerSpec"]
@@ -80,7 +81,7 @@ class SliceWorker:
         self._log = get_logger("elastic.worker", job=cfg.job_name, slice=slice_index)
         self._holdings = Holdings(keep=cfg.keep_snapshots, on_busy=cfg.tiers.on_busy)
         self._silent = threading.Event()
-        self._stop_beats = threading.Event()
+        self._heartbeat = Heartbeat(supervisor, self._due, cfg.heartbeat_interval_s, self._log)
         self._prepared: Prepared | None = None
         self._tiers = GroupTiers(
             cfg,
@@ -94,7 +95,6 @@ class SliceWorker:
         self._runner = PassRunner(slice_index, spec, supervisor, self._holdings, self._save)
         self._abstract: Any = None
         jax.monitoring.register_event_duration_secs_listener(self._runner.on_duration)  # type: ignore[arg-type]
-        self._started = False
         self._signals: SignalNotice | None = None
         if cfg.notices.signal is not None:  # a scheduler's warning before it takes this host: a notice
             self._signals = SignalNotice(
@@ -111,23 +111,12 @@ class SliceWorker:
         ray.get(
             self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=self._config.startup_timeout_s
         )
-        if not self._started:
-            self._started = True
-            threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+        self._heartbeat.start_thread()  # once only
         return self.incarnation
 
-    def _beat(self) -> None:
-        me = ray.get_runtime_context().current_actor
-        interval = self._config.heartbeat_interval_s
-        while not self._stop_beats.wait(interval):
-            if self._silent.is_set():
-                continue
-            try:
-                known = ray.get(self._supervisor.heartbeat.remote(self.slice, self.incarnation), timeout=10)
-                if not known:  # the supervisor restarted or dropped us: register again
-                    ray.get(self._supervisor.register.remote(self.slice, self.incarnation, me), timeout=10)
-            except Exception as err:  # noqa: BLE001 - keep beating while the supervisor restarts
-                self._log.warning("heartbeat_failed", error=repr(err)[:200])
+    def _due(self) -> list[tuple[int, int]]:
+        """What beats now: this worker's slice, unless silenced."""
+        return [] if self._silent.is_set() else [(self.slice, self.incarnation)]
 
     def _give_notice(self, deadline: float, reason: str) -> Any:
         """A notice for this worker's slice (its process was signalled), down the one notice path."""
@@ -138,7 +127,7 @@ class SliceWorker:
         """The slice left the job on notice and the survivors have re-formed without it: leave the old group, stop
         beating, and end this process with exit code 0 once the reply is sent. Returns the exit code and the pid."""
         check_control(self._control, token, "depart", self._log)
-        self._stop_beats.set()
+        self._heartbeat.stop()
         self._holdings.end()
         self._tiers.close()
         self._prepared = self._runner.final = None
@@ -156,7 +145,7 @@ class SliceWorker:
         """Answer the supervisor's check of a silent slice: True at once while this worker works; not while it is
         silenced (a hung host answers nothing)."""
         check_control(self._control, token, "alive", self._log)
-        while self._silent.is_set() and not self._stop_beats.is_set():
+        while self._silent.is_set() and not self._heartbeat.stopped:
             time.sleep(0.1)
         return True
 
@@ -357,5 +346,5 @@ class SliceWorker:
         self._holdings.end()
         self._tiers.close()
         self._prepared = self._runner.final = None
-        self._stop_beats.set()
+        self._heartbeat.stop()
         return distributed.leave() if distributed.joined() else 0.0

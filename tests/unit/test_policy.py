@@ -517,3 +517,23 @@ def test_a_renewed_member_turns_a_stay_into_a_grow_over_the_same_slices(view, hi
     if kind is Grow and to == view.active:
         assert decision.reason == "slice(s) 2: a new agent replaces the lost one", decision
         check_reason(decision, (2,), ("new agent",))
+
+
+def test_next_view_carries_a_decision_out_as_the_next_epochs_view():
+    """``next_view``: the view a decision makes (the next epoch), None for Stay and Wait; a Leave's view holds each
+    notice once, however many of its slices it names."""
+    from elastic.supervision.notices import Notice
+    from elastic.supervision.policy import next_view
+
+    view = View(epoch=3, active=ALL4)
+    given = Notice(slices=frozenset({2, 3}), deadline=100.0, reason="maintenance", source="api", at=0.0)
+    left = next_view(view, Leave(to=frozenset({0, 1}), leaving=frozenset({2, 3}), reason="r"), lambda s: given)
+    assert left == View(epoch=4, active=frozenset({0, 1}), reason="r", leaving=frozenset({2, 3}), notices=(given,))
+    shrunk = next_view(view, Shrink(to=frozenset({0}), reason="lost"), lambda s: given)
+    assert shrunk == View(epoch=4, active=frozenset({0}), reason="lost")
+    grown = next_view(view, Grow(to=ALL4, reason="renewed"), lambda s: given)
+    assert grown == View(epoch=4, active=ALL4, reason="renewed")
+    gone = next_view(view, GiveUp(reason="too few"), lambda s: given)
+    assert gone == View(epoch=4, active=ALL4, gave_up="too few", reason="too few")
+    assert next_view(view, Stay(reason="s"), lambda s: given) is None
+    assert next_view(view, Wait(until=1.0, reason="w"), lambda s: given) is None
