@@ -8,6 +8,7 @@ import re
 
 import jax
 
+from .faults import DeviceUnavailableError
 from .guard import StepHungError
 
 __all__ = ["FailureKind", "SliceLostError", "classify_failure", "is_recoverable", "is_slice_loss"]
@@ -56,7 +57,7 @@ def classify_failure(err: BaseException) -> FailureKind:
             return FailureKind.HUNG
         if isinstance(current, SliceLostError):
             return FailureKind.SLICE_LOSS
-        if isinstance(current, jax.errors.JaxRuntimeError):
+        if isinstance(current, (jax.errors.JaxRuntimeError, DeviceUnavailableError)):  # real, or simulated
             message = str(current)
             code = _status_code(message)
             if code in _SLICE_LOSS_CODES:
