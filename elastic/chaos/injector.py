@@ -50,8 +50,8 @@ class FaultInjector:
 
     def _kill_beside(self, index: int) -> None:
         """Kill slice ``index``'s agent on a thread of its own: a host's death does not hold the training loop
-        for the actor kill's round trip (3-35 ms measured here), which the injection would otherwise add to the
-        time the loss takes to be seen."""
+        for the actor kill's round trip, which the injection would otherwise add to the time the loss takes to be
+        seen."""
 
         def kill() -> None:
             try:
