@@ -48,7 +48,8 @@ def _status_code(message: str) -> str | None:
 
 
 def classify_failure(err: BaseException) -> FailureKind:
-    """Classify ``err`` (or any error in its ``__cause__``/``__context__`` chain)."""
+    """Classify ``err`` (or any error in its ``__cause__``/``__context__`` chain). A simulated or injected
+    :class:`~runtime.faults.DeviceUnavailableError` is read exactly as a real ``JaxRuntimeError``: by its status."""
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
