@@ -3,6 +3,7 @@
 from . import hangs, simulated
 from .batching import Chunk, plan_microbatches
 from .classify import FailureKind, SliceLostError, classify_failure, is_recoverable, is_slice_loss
+from .faults import DeviceUnavailableError, TransientUnavailableError
 from .freeing import discard, held_bytes, release
 from .freeing import flush as flush_releases
 from .freeing import wake as wake_releases
@@ -16,6 +17,7 @@ from .topology import Slice, Topology, TopologyError, device_topology, simulated
 
 __all__ = (
     "Chunk",
+    "DeviceUnavailableError",
     "LAND",
     "FailureKind",
     "LOCAL_AXIS",
@@ -27,6 +29,7 @@ __all__ = (
     "StepHungError",
     "StructureError",
     "Topology",
+    "TransientUnavailableError",
     "TopologyError",
     "as_shardings",
     "batch_sharding",

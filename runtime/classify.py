@@ -8,6 +8,7 @@ import re
 
 import jax
 
+from .faults import DeviceUnavailableError
 from .guard import StepHungError
 
 __all__ = ["FailureKind", "SliceLostError", "classify_failure", "is_recoverable", "is_slice_loss"]
@@ -47,7 +48,8 @@ def _status_code(message: str) -> str | None:
 
 
 def classify_failure(err: BaseException) -> FailureKind:
-    """Classify ``err`` (or any error in its ``__cause__``/``__context__`` chain)."""
+    """Classify ``err`` (or any error in its ``__cause__``/``__context__`` chain). A simulated or injected
+    :class:`~runtime.faults.DeviceUnavailableError` is read exactly as a real ``JaxRuntimeError``: by its status."""
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
@@ -56,7 +58,7 @@ def classify_failure(err: BaseException) -> FailureKind:
             return FailureKind.HUNG
         if isinstance(current, SliceLostError):
             return FailureKind.SLICE_LOSS
-        if isinstance(current, jax.errors.JaxRuntimeError):
+        if isinstance(current, (jax.errors.JaxRuntimeError, DeviceUnavailableError)):  # real, or simulated
             message = str(current)
             code = _status_code(message)
             if code in _SLICE_LOSS_CODES:

@@ -1,9 +1,9 @@
 """The dispatch seam: run a computation so that device loss and hangs surface where real hardware has them.
 
-Real backends raise ``JaxRuntimeError`` from dispatch or when a result is awaited; simulated slices
-raise the same error here, before dispatch and again once the result is ready (a slice killed
-mid-step loses that step's result). A wait with a bound raises :class:`StepHungError` past it (a hung
-collective, a wedged device): the step watchdog. It does not poll: a waiter thread blocks in
+Real backends raise ``JaxRuntimeError`` from dispatch or when a result is awaited; simulated slices raise
+:class:`~runtime.faults.DeviceUnavailableError` (classified alike) here, before dispatch and again once the result
+is ready (a slice killed mid-step loses that step's result). A wait with a bound raises :class:`StepHungError`
+past it (a hung collective, a wedged device): the step watchdog. It does not poll: a waiter thread blocks in
 ``jax.block_until_ready`` while the caller sleeps on an event with the bound as its timeout.
 """
 

@@ -1,9 +1,9 @@
 """Simulated slice failures for CPU testing.
 
 Once a simulated slice is killed, every guarded computation that touches one of its devices raises
-``jax.errors.JaxRuntimeError`` with an ``UNAVAILABLE`` status, the error real hardware gives for a
-lost slice and that :func:`runtime.classify.is_slice_loss` calls slice loss. The registry is
-process-wide, because devices are.
+:class:`~runtime.faults.DeviceUnavailableError` with an ``UNAVAILABLE`` status, as real hardware's
+``JaxRuntimeError`` for a lost slice has, and :func:`runtime.classify.is_slice_loss` calls it slice loss alike.
+The registry is process-wide, because devices are.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from .faults import DeviceUnavailableError
 from .topology import Slice
 
 __all__ = ["kill_slice", "revive_slice", "dead_device_ids", "check_devices", "devices_of", "reset"]
@@ -64,6 +65,4 @@ def check_devices(devices: Iterable[Any]) -> None:
     if hit:
         slices = sorted({s for s, _ in hit})
         ids = [i for _, i in hit]
-        raise jax.errors.JaxRuntimeError(
-            f"UNAVAILABLE: simulated slice(s) {slices} lost: devices {ids} are unreachable"
-        )
+        raise DeviceUnavailableError(f"UNAVAILABLE: simulated slice(s) {slices} lost: devices {ids} are unreachable")

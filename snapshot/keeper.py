@@ -24,44 +24,17 @@ from typing import Any, cast
 import numpy as np
 import ray
 import structlog
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .errors import KeeperAccessError
 from .image import HostImage, Index
 from .keeper_actor import Keeper
+from .keeper_place import create_keeper, keepers_for, placements
 from .seal import seal, sealed
 
-__all__ = ["Keeper", "KeeperTier", "keepers_for"]  # Keeper: from .keeper_actor
+__all__ = ["Keeper", "KeeperTier", "keepers_for"]  # Keeper: from .keeper_actor; keepers_for: from .keeper_place
 
 log = structlog.get_logger("snapshot.keeper")
 
 PREFIX = "keeper-"
-
-
-def _other_nodes(avoid_node: str) -> list[str]:
-    """Alive nodes that can host an actor, other than ``avoid_node``."""
-    return sorted(
-        node["NodeID"]
-        for node in ray.nodes()
-        if node.get("Alive") and node.get("Resources") and node["NodeID"] != avoid_node
-    )
-
-
-def keepers_for(wanted: int, avoid_node: str | None = None) -> int:
-    """How many keepers a job should run: ``wanted``, at most one per alive node other than ``avoid_node`` (the
-    client's, by default), and one where there is no other node (logged as ``keepers_capped``). Two keepers on one
-    node hold the same bytes in the same memory and survive the same faults: the second costs a copy per push and
-    its memory for nothing."""
-    fit = max(1, min(wanted, len(_other_nodes(avoid_node or ray.get_runtime_context().get_node_id()))))
-    if fit < wanted:
-        log.info("keepers_capped", keepers=wanted, started=fit, why="one keeper per node other than the client's")
-    return fit
-
-
-def _placements(n: int, avoid_node: str) -> list[str]:
-    """Node ids for ``n`` keepers: spread over alive nodes other than ``avoid_node``, else on it."""
-    others = _other_nodes(avoid_node)
-    return [others[i % len(others)] for i in range(n)] if others else [avoid_node] * n
 
 
 class KeeperTier:
@@ -124,26 +97,13 @@ class KeeperTier:
         given (two keepers on one node) even with both nodes alive. Raises if no keeper comes up.
         """
         avoid = self._avoid_node or ray.get_runtime_context().get_node_id()
-        nodes = _placements(self._num, avoid)
+        nodes = placements(self._num, avoid)
         access = None if self._credential is None else hashlib.sha256(self._credential.encode()).hexdigest()
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
             handle = self._adopt(name) if self._adopt is not None else None
-            if handle is None:
-                try:  # a name taken meanwhile raises here: nothing of the actor holding it is loaded or called
-                    handle = Keeper.options(  # type: ignore[attr-defined]  # a ray actor class
-                        name=name,
-                        namespace=self.namespace,
-                        lifetime="detached",
-                        num_cpus=0,
-                        max_restarts=0,
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                    ).remote(self._keep, access)
-                except ValueError as err:
-                    raise KeeperAccessError(
-                        f"keeper name {name!r} in namespace {self.namespace!r} is held by an actor this job did not "
-                        "create: it was not used"
-                    ) from err
+            if handle is None:  # a name taken meanwhile is refused: nothing of the actor holding it is called
+                handle = create_keeper(name, self.namespace, node, self._keep, access)
                 if self._created is not None:
                     self._created(name, handle)
             self._keepers[name] = handle
@@ -230,9 +190,7 @@ class KeeperTier:
     def whole_steps(self, timeout: float = 60.0) -> dict[int, str]:
         """The newest whole step (all parts present, intact) each live keeper holds: step -> a keeper's name,
         newest step first."""
-        got = self._collect(
-            {n: k.whole_steps.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
-        )
+        got = self._ask_all("whole_steps", timeout)
         found: dict[int, str] = {}
         for name, steps in got.items():
             for step in steps if isinstance(steps, list) else []:
@@ -330,6 +288,11 @@ class KeeperTier:
         with self._cond:
             self._stats[key] += n
 
+    def _ask_all(self, method: str, timeout: float) -> dict[str, Any]:
+        """Every live keeper's answer to ``method`` (no arguments but the credential), as :meth:`_collect` gives it."""
+        calls = {n: getattr(k, method).remote(token=self._credential) for n, k in dict(self._keepers).items()}
+        return self._collect(calls, timeout)
+
     def _collect(self, calls: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Each call's result or exception, waiting ``timeout`` in all; forgets keepers that died."""
         deadline = time.monotonic() + timeout
@@ -353,9 +316,7 @@ class KeeperTier:
         Asks every keeper for its steps, then fetches from the one with the newest, falling back to the next.
         """
         deadline = time.monotonic() + timeout
-        held = self._collect(
-            {n: k.steps.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
-        )
+        held = self._ask_all("steps", timeout)
         tops = sorted(((max(s), n) for n, s in held.items() if isinstance(s, list) and s), reverse=True)
         best: HostImage | None = None
         for top, name in tops:
@@ -376,16 +337,12 @@ class KeeperTier:
 
     def nodes(self, timeout: float = 10.0) -> dict[str, str]:
         """The node id of each keeper that answers, by name."""
-        got = self._collect(
-            {n: k.node_id.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
-        )
+        got = self._ask_all("node_id", timeout)
         return {n: node for n, node in got.items() if isinstance(node, str)}
 
     def stats(self, timeout: float = 10.0) -> dict[str, int]:
         """Counters plus ``keeper_bytes`` (summed over the keepers answering) and ``keepers_alive``."""
-        held = self._collect(
-            {n: k.held_bytes.remote(token=self._credential) for n, k in dict(self._keepers).items()}, timeout
-        )
+        held = self._ask_all("held_bytes", timeout)
         alive = [b for b in held.values() if isinstance(b, int)]
         with self._cond:
             counters = dict(self._stats)

@@ -19,37 +19,29 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from typing import Any
 
 import jax
-import numpy as np
 import structlog
 from jax.sharding import Sharding
 
 from .config import Restored, SnapshotConfig, SnapshotInfo
-from .engine import Copy, Engine, pick_engine
-from .errors import (
-    NoSnapshotError,
-    SnapshotConfigError,
-    SnapshotCorruptError,
-    SnapshotFailedError,
-    SnapshotStructureError,
-    SnapshotUnavailableError,
-)
-from .generation import Generation, Guard, PieceRecord, reachable, restore_generation, to_image
+from .copier import Abandoned, copy_pieces
+from .counters import new_counters, summary
+from .engine import Engine, pick_engine
+from .errors import NoSnapshotError, SnapshotFailedError
+from .generation import Generation, Guard, reachable, to_image
 from .image import HostImage
-from .plan import LeafPlan, SliceOf, default_slice_of, devices_by_slice, plan_leaf
-from .staged import StagedRequest, restore_staged
+from .loading import from_generations, from_staged, targets_of
+from .plan import SliceOf, default_slice_of
+from .requests import Requests
+from .ring import Ring
+from .staged import StagedRequest
+from .staging import Layout, as_arrays, stage
 
 __all__ = ["Restored", "SnapshotConfig", "SnapshotInfo", "Snapshotter"]
 
 log = structlog.get_logger("snapshot")
-PAUSE_S = 5.0  # the longest a paused copy holds at one piece (see ``Snapshotter.pause``)
-
-
-class _Abandoned(Exception):
-    pass
 
 
 class Snapshotter:
@@ -69,33 +61,16 @@ class Snapshotter:
         self._slice_of = slice_of or default_slice_of
         self._guard = guard
         self._engine: Engine | None = None
-        self._plans: dict[Any, list[LeafPlan | None]] = {}
-        self._generations: list[Generation] = []
-        self._slots: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
+        self._layout = Layout(self.config.copies, self._slice_of)
+        self._ring = Ring(self.config.keep)
         self._retired: list[jax.Array] = []  # the shards the newest generation's views held (see ``_copy``)
-        self._cv = threading.Condition()
         self._skips_said: set[tuple[int, int | None, str]] = set()  # (request, slice, cause) logged: once each
-        self._pending: StagedRequest | None = None
-        self._in_flight: StagedRequest | None = None
-        self._error: SnapshotFailedError | None = None
-        self._numbers = 0
-        self._closed = False
         self._running = threading.Event()  # cleared by ``pause``: the copy in flight holds between pieces
         self._running.set()
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="snapshot-copy")
-        self._stats = {
-            "snapshots_requested": 0,
-            "snapshots_taken": 0,
-            "snapshots_coalesced": 0,
-            "snapshots_failed": 0,
-            "snapshots_abandoned": 0,
-            "snapshots_waited": 0,
-            "blocking_seconds": 0.0,
-            "last_blocking_seconds": 0.0,
-            "last_load_wait_seconds": 0.0,
-            "copy_seconds": 0.0,
-            "copy_bytes": 0,
-        }
+        self._stats = new_counters()
+        self._requests = Requests(self.config.on_busy, self._stats)
+        self._cv = self._requests.cv  # guards the requests, the ring and the counters
         self._worker = threading.Thread(target=self._work, name="snapshot-worker", daemon=True)
         self._worker.start()
 
@@ -108,50 +83,13 @@ class Snapshotter:
         """
         t0 = time.perf_counter()
         leaves, treedef = jax.tree_util.tree_flatten(state)
-        key_impls = [str(jax.random.key_impl(x)) if _is_key(x) else None for x in leaves]
-        arrays = [jax.random.key_data(x) if k else x for x, k in zip(leaves, key_impls, strict=True)]
-        plans = self._plan(arrays)
-        engine = self._engine_for(arrays)
-        reads: list[list[list[jax.Array]]] = []  # leaf -> piece -> the shard each copy reads
-        values: list[Any] = []
-        for x, plan in zip(arrays, plans, strict=True):
-            if plan is None:
-                reads.append([])
-                values.append(copylib.deepcopy(x))
-                continue
-            shards = x.addressable_shards
-            reads.append([[shards[c.shard].data for c in p.copies] for p in plan.pieces])
-            values.append(None)
-        flat = [
-            (read, [c.dest for c in p.copies])
-            for plan, leaf in zip(plans, reads, strict=True)
-            if plan
-            for p, read in zip(plan.pieces, leaf, strict=True)
-        ]
-        landed = iter(engine.stage_pieces(flat))
-        staged: list[list[list[Any]]] = [[next(landed) for _ in leaf] for leaf in reads]
-        # The shards the copies read, as (device, view, shard): until the copy is done, a survivor that holds one
-        # of them restores its own shard of this state in place. (Holding every replica would also keep the others
-        # from being donated: each step after a save would allocate them anew.) A shard still being computed has
-        # no view yet: then a restore waits for the copy.
-        sources: list[list[list[tuple[Any, np.ndarray, jax.Array]]]] = []
-        views_only = engine.name == "host" and all(
-            isinstance(v, np.ndarray) for leaf in staged for piece in leaf for v in piece
-        )
-        if views_only:
-            sources = [
-                [
-                    [(a.device, v, a) for a, v in zip(read, views, strict=True)]
-                    for read, views in zip(leaf, staged_leaf, strict=True)
-                ]
-                for leaf, staged_leaf in zip(reads, staged, strict=True)
-            ]
-        with self._cv:
-            if self._closed:
-                raise SnapshotConfigError("the snapshotter is closed")
-            self._numbers += 1
-            req = StagedRequest(
-                number=self._numbers,
+        arrays, key_impls = as_arrays(leaves)
+        plans = self._layout.plans(arrays)
+        staged, sources, values = stage(arrays, plans, self._engine_for(arrays))
+        req = self._requests.submit(
+            step,
+            lambda number: StagedRequest(
+                number=number,
                 step=step,
                 treedef=treedef,
                 plans=plans,
@@ -160,18 +98,8 @@ class Snapshotter:
                 values=values,
                 key_impls=key_impls,
                 meta=copylib.deepcopy(dict(meta or {})),
-            )
-            self._stats["snapshots_requested"] += 1
-            if self._pending is not None and self.config.on_busy == "wait":
-                self._stats["snapshots_waited"] += 1
-                self._cv.wait_for(lambda: self._pending is None or self._closed)
-            if self._pending is not None:
-                self._stats["snapshots_coalesced"] += 1
-                # Said once at info (saves come faster than copies), then at debug: a line per save costs the loop.
-                say = log.info if self._stats["snapshots_coalesced"] == 1 else log.debug
-                say("snapshot_coalesced", step=self._pending.step, replaced_by=step)
-            self._pending = req
-            self._cv.notify_all()
+            ),
+        )
         blocked = time.perf_counter() - t0
         self._stats["blocking_seconds"] += blocked
         self._stats["last_blocking_seconds"] = blocked
@@ -180,9 +108,8 @@ class Snapshotter:
     def prepare(self, state: Any) -> None:
         """Plan where each byte of ``state``'s snapshots goes now (it is planned once per layout), so that the first
         ``save`` of a new mesh does not pay for it on the training thread."""
-        leaves = jax.tree_util.tree_leaves(state)
-        arrays = [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
-        self._plan(arrays)
+        arrays, _ = as_arrays(jax.tree_util.tree_leaves(state))
+        self._layout.plans(arrays)
         self._engine_for(arrays)
 
     def _engine_for(self, arrays: list[Any]) -> Engine:
@@ -191,127 +118,56 @@ class Snapshotter:
             self._engine = pick_engine(self.config.engine, devices)
         return self._engine
 
-    def _plan(self, arrays: list[Any]) -> list[LeafPlan | None]:
-        key = tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None for x in arrays)
-        plans = self._plans.get(key)
-        if plans is None:
-            jax_arrays = [x for x in arrays if isinstance(x, jax.Array)]
-            by_slice = devices_by_slice(jax_arrays, self._slice_of)
-            load: dict[Any, int] = {d: 0 for ds in by_slice.values() for d in ds}
-            plans = [
-                plan_leaf(x, self.config.copies, self._slice_of, load, by_slice) if isinstance(x, jax.Array) else None
-                for x in arrays
-            ]
-            if len(by_slice) < self.config.copies:
-                log.warning("snapshot_copies_capped", copies=self.config.copies, slices=len(by_slice))
-            self._plans = {key: plans}  # one layout at a time: a new mesh replaces the old plan
-        return plans
-
     # -- the background thread -------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._pending is not None or self._closed)
-                if self._pending is None:
-                    return
-                req, self._pending = self._pending, None
-                self._in_flight = req
-                self._cv.notify_all()
+        while (req := self._requests.take()) is not None:
             try:
                 gen = self._copy(req)
-            except _Abandoned:
-                with self._cv:
-                    self._stats["snapshots_abandoned"] += 1
-                    self._in_flight = None
-                    self._cv.notify_all()
+            except Abandoned:
+                self._requests.settle("snapshots_abandoned")
                 continue
             except Exception as err:  # noqa: BLE001 - any failure leaves the previous generation intact
-                with self._cv:
-                    self._stats["snapshots_failed"] += 1
-                    self._error = SnapshotFailedError(req.step, f"{type(err).__name__}: {err}"[:300])
-                    self._in_flight = None
-                    self._cv.notify_all()
+                self._requests.settle(
+                    "snapshots_failed", SnapshotFailedError(req.step, f"{type(err).__name__}: {err}"[:300])
+                )
                 log.warning("snapshot_failed", step=req.step, error=str(err)[:200])
                 continue
             with self._cv:
                 self._publish(gen)
             if self._on_complete is not None:
                 try:
-                    self._on_complete(
-                        SnapshotInfo(
-                            step=gen.step, generation=gen.number, state_bytes=gen.state_bytes, copies=gen.copies
-                        )
-                    )
+                    self._on_complete(_info(gen))
                 except Exception as err:  # noqa: BLE001 - a tier's trouble must not stop snapshots
                     log.warning("snapshot_on_complete_failed", step=gen.step, error=str(err)[:200])
-            with self._cv:
-                self._in_flight = None
-                self._cv.notify_all()
+            self._requests.settle()
             try:
                 if self._engine is not None:
                     self._engine.warm()  # the copies the next saves stage: compiled here, not on the training thread
             except Exception as err:  # noqa: BLE001 - then staging keeps its uncompiled path
                 log.warning("snapshot_warm_failed", error=str(err)[:200])
 
-    def _free_slot(self) -> int:
-        used = {g.slot for g in self._generations}
-        return next(s for s in range(self.config.keep + 1) if s not in used)
+    def _first_skip(self, said: tuple[int, int | None, str]) -> bool:
+        with self._cv:
+            first = said not in self._skips_said
+            self._skips_said.add(said)
+        return first
 
     def _copy(self, req: StagedRequest) -> Generation:
         t0 = time.perf_counter()
         engine = self._engine
         assert engine is not None
         with self._cv:
-            slot = self._free_slot()
-        reuse = self._slots.get(slot, {})
-        buffers: dict[tuple[int, int, int], np.ndarray] = {}  # only this layout's buffers stay held
-
-        def one_piece(i: int, j: int) -> PieceRecord:
-            plan = req.plans[i]
-            assert plan is not None
-            piece = plan.pieces[j]
-            copies: list[Copy] = []
-            digest = 0
-            lost: BaseException | None = None
-            for k, (cp, staged) in enumerate(zip(piece.copies, req.staged[i][j], strict=True)):
-                self._running.wait(PAUSE_S)  # paused while a failure is recovered from (bounded: it goes on)
-                if req.abandoned:
-                    raise _Abandoned
-                if self._guard is not None:
-                    try:
-                        self._guard([cp.dest])
-                    except Exception as err:  # noqa: BLE001 - that slice is gone: the piece keeps its other copies
-                        lost = err
-                        said = (req.number, cp.slice, type(err).__name__)
-                        with self._cv:
-                            first = said not in self._skips_said
-                            self._skips_said.add(said)
-                        if first:  # one line per lost slice and cause, not one per leaf
-                            log.warning("snapshot_copy_skipped", step=req.step, slice=cp.slice, error=str(err)[:120])
-                        continue
-                if not copies:  # one checksum per piece, taken from its first copy as it is written
-                    made, digest = engine.write_checksummed(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
-                else:
-                    made = engine.write(staged, cp.dest, cp.slice, reuse.get((i, j, k)))
-                if made.buffer is not None:
-                    buffers[(i, j, k)] = made.buffer
-                copies.append(made)
-            if not copies:
-                assert lost is not None
-                raise lost
-            return PieceRecord(index=piece.index, checksum=digest, copies=tuple(copies))
-
-        futures = {
-            (i, j): self._pool.submit(one_piece, i, j)
-            for i, plan in enumerate(req.plans)
-            if plan
-            for j in range(len(plan.pieces))
-        }
-        # Every piece settles before a failure is raised: a piece still writing would otherwise land in the
-        # reused buffers of the next save (this slot stays free) after that save checksummed them.
-        wait_all(futures.values())
-        records = {ij: f.result() for ij, f in futures.items()}
-        self._slots[slot] = buffers
+            slot = self._ring.free_slot()
+        records, buffers = copy_pieces(
+            req,
+            engine=engine,
+            pool=self._pool,
+            reuse=self._ring.slots.get(slot, {}),
+            guard=self._guard,
+            running=self._running,
+            first_skip=self._first_skip,
+        )
+        self._ring.slots[slot] = buffers
         # Release the views (the state's buffers can be donated again), but keep the shards they viewed until the
         # next generation is copied: the views kept the next step from donating them, and the loop drops its state
         # a step or two later; whoever drops the last reference frees them, and here that is this thread, as this
@@ -324,12 +180,13 @@ class Snapshotter:
         return gen
 
     def _publish(self, gen: Generation) -> None:
-        if self._generations and self._generations[-1].step >= gen.step:
-            # A rollback or a repeat: generations at or past this step belong to a discarded future.
-            self._generations = [g for g in self._generations if g.step < gen.step]
-        self._generations.append(gen)
-        del self._generations[: -self.config.keep]
+        self._ring.publish(gen)
         self._stats["snapshots_taken"] += 1
+
+    @property
+    def _generations(self) -> list[Generation]:
+        """The complete generations held, oldest first (a testing seam)."""
+        return self._ring.held
 
     # -- reading ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -337,9 +194,9 @@ class Snapshotter:
         (once), ``TimeoutError`` past ``timeout`` seconds. A paused copy goes on."""
         self.resume()
         with self._cv:
-            if not self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout):
+            if not self._requests.idle(timeout):
                 raise TimeoutError(f"snapshot still in flight after {timeout} s")
-            error, self._error = self._error, None
+            error = self._requests.failure()
         if error is not None:
             raise error
 
@@ -349,8 +206,7 @@ class Snapshotter:
         with self._cv:
             if not self._generations:
                 return None
-            g = self._generations[-1]
-            return SnapshotInfo(step=g.step, generation=g.number, state_bytes=g.state_bytes, copies=g.copies)
+            return _info(self._generations[-1])
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -385,7 +241,7 @@ class Snapshotter:
 
     def _load(self, target: Any, available: Any, borrow: bool) -> Restored:
         with self._cv:
-            req = self._pending or self._in_flight
+            req = self._requests.pending or self._requests.in_flight
             staged = (req, req.sources) if req is not None and req.sources else None
             newest = self._generations[-1].step if self._generations else None
         treedef = staged[0].treedef if staged else self._generations[-1].treedef if self._generations else None
@@ -395,37 +251,18 @@ class Snapshotter:
                 treedef = self._generations[-1].treedef if self._generations else None
             if treedef is None:
                 raise NoSnapshotError("no snapshot has completed yet")
-        try:
-            targets = treedef.flatten_up_to(target)
-        except (ValueError, TypeError) as err:
-            raise SnapshotStructureError(
-                f"the target does not match the saved state's structure {treedef}: {err}"
-            ) from err
-        targets = [t if isinstance(t, Sharding) else getattr(t, "sharding", None) for t in targets]
+        targets = targets_of(treedef, target)
         if available is None:
             available = {d for t in targets if isinstance(t, Sharding) for d in t.device_set}
         available = set(available)
         engine = self._engine
         assert engine is not None
         if staged is not None and engine.name == "host" and (newest is None or staged[0].step >= newest):
-            req, sources = staged
-            try:
-                state, kept = restore_staged(req, sources, targets, available, self._guard, borrow=borrow)
-            except SnapshotUnavailableError:
-                log.info("snapshot_in_flight_unavailable", step=req.step)  # wait for its copies below
-            else:
-                log.info("snapshot_restored_from_staged", step=req.step, shards_reused=sum(len(k) for k in kept))
-                self._abandon(req)
+            restored = from_staged(*staged, targets, available, self._guard, borrow=borrow)
+            if restored is not None:
+                self._abandon(staged[0])
                 self._stats["last_load_wait_seconds"] = 0.0
-                return Restored(
-                    step=req.step,
-                    generation=req.number,
-                    state=state,
-                    meta=copylib.deepcopy(req.meta),
-                    source="staged",
-                    kept=kept,
-                    borrowed=borrow,
-                )
+                return restored
         t0 = time.perf_counter()
         self.wait_quietly()  # a copy in flight is newer than every complete generation: let it finish
         self._stats["last_load_wait_seconds"] = time.perf_counter() - t0
@@ -433,35 +270,17 @@ class Snapshotter:
             generations = list(reversed(self._generations))
         if not generations:
             raise NoSnapshotError("no snapshot has completed yet")
-        failure: Exception | None = None
-        for gen in generations:
-            try:
-                state = restore_generation(gen, targets, available, engine, self._guard, borrow=borrow)
-            except SnapshotCorruptError as err:
-                log.warning("snapshot_corrupt", step=gen.step, generation=gen.number, leaf=err.leaf)
-                with self._cv:
-                    self._generations = [g for g in self._generations if g is not gen]
-                failure = err
-                continue
-            except SnapshotUnavailableError as err:
-                failure = err
-                continue
-            return Restored(
-                step=gen.step, generation=gen.number, state=state, meta=copylib.deepcopy(gen.meta), borrowed=borrow
-            )
-        assert failure is not None
-        raise failure
+        return from_generations(generations, targets, available, engine, self._guard, borrow=borrow, drop=self._drop)
+
+    def _drop(self, gen: Generation) -> None:
+        with self._cv:
+            self._ring.drop(gen)
 
     def _abandon(self, req: StagedRequest) -> None:
         """Stop copying ``req`` (and drop a waiting request no newer than it): its state was restored, and
         the copy would only slow the steps that follow. The next save snapshots the restored state."""
         with self._cv:
-            if self._pending is not None and self._pending.number <= req.number:
-                self._pending.abandoned = True
-                self._pending = None
-                self._stats["snapshots_abandoned"] += 1
-            if self._in_flight is not None and self._in_flight.number <= req.number:
-                self._in_flight.abandoned = True
+            self._requests.abandon_through(req.number)
             # Release the views: the first step may then donate the shards the restore kept in place (a
             # piece being copied right now holds its view until it stops; that buffer is not donated).
             req.staged, req.sources = [], []
@@ -472,7 +291,7 @@ class Snapshotter:
         goes on."""
         self.resume()
         with self._cv:
-            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None)
+            self._requests.idle()
 
     def image(self, *, copy: bool = True) -> HostImage:
         """A host copy of the newest generation, read from reachable copies (for a tier that outlives
@@ -498,42 +317,26 @@ class Snapshotter:
     def stats(self) -> dict[str, Any]:
         """Counters and timings: snapshots requested, taken, coalesced, failed; blocking and copy seconds."""
         with self._cv:
-            s: dict[str, Any] = dict(self._stats)
+            counters = dict(self._stats)
             newest = self._generations[-1] if self._generations else None
-            busy = (self._pending is not None) + (self._in_flight is not None)
-            held = sum(b.nbytes for slot in self._slots.values() for b in slot.values())
-            if not held:  # engines whose copies are jax arrays (device engine)
-                held = sum(g.held_bytes for g in self._generations)
-        s["snapshots_dropped"] = (
-            s["snapshots_requested"]
-            - s["snapshots_taken"]
-            - s["snapshots_coalesced"]
-            - s["snapshots_failed"]
-            - s["snapshots_abandoned"]
-            - busy
+            busy = self._requests.busy
+            held = self._ring.held_bytes()
+        return summary(
+            counters,
+            busy=busy,
+            held=held,
+            newest=newest,
+            generations=len(self._generations),
+            keep=self.config.keep,
+            engine=self._engine.name if self._engine else None,
         )
-        s["held_bytes"] = held
-        s["state_bytes"] = newest.state_bytes if newest else 0
-        s["copies"] = newest.copies if newest else 0
-        s["generations"] = len(self._generations)
-        s["keep"] = self.config.keep
-        s["engine"] = self._engine.name if self._engine else None
-        return s
 
     def cancel(self) -> int:
         """Abandon the snapshot waiting and the one being copied (counted as ``snapshots_abandoned``): the state
         they hold is not wanted any more (a restore from an older generation follows). Returns at once; the copy
         stops before its next piece. How many were abandoned."""
         with self._cv:
-            count = 0
-            if self._pending is not None:
-                self._pending.abandoned = True
-                self._pending = None
-                self._stats["snapshots_abandoned"] += 1
-                count += 1
-            if self._in_flight is not None:
-                self._in_flight.abandoned = True
-                count += 1
+            count = self._requests.abandon_through(None)
             self._cv.notify_all()
         return count
 
@@ -551,14 +354,7 @@ class Snapshotter:
         """Finish what was requested (the waiting and the in-flight copy, bounded by ``timeout``), then
         stop the background threads. Complete generations stay readable until the snapshotter is dropped."""
         self.resume()
-        with self._cv:
-            self._cv.wait_for(lambda: self._pending is None and self._in_flight is None, timeout)
-            self._closed = True
-            if self._pending is not None:  # past the bound: counted, never silent
-                self._stats["snapshots_coalesced"] += 1
-                log.warning("snapshot_abandoned_at_close", step=self._pending.step)
-                self._pending = None
-            self._cv.notify_all()
+        self._requests.close(timeout)
         self._worker.join(timeout=timeout)
         self._pool.shutdown(wait=True)
         self._retired = []
@@ -567,5 +363,5 @@ class Snapshotter:
         return len(self._generations)
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+def _info(gen: Generation) -> SnapshotInfo:
+    return SnapshotInfo(step=gen.step, generation=gen.number, state_bytes=gen.state_bytes, copies=gen.copies)

@@ -7,34 +7,21 @@ detection and recovery run exactly as for a real failure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from elastic.chaos.fault import KILL_MOMENTS, During, Fault, FaultKind
 from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
     from elastic.control.hooks import DriverHook, JobHandles, WorkerHook
 
-__all__ = ["Fault", "Faults"]
-
-FaultKind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang", "supervisor_restart"]
-
-
-During = Literal["step", "collective", "forming", "restore"]
-KILL_MOMENTS: tuple[str, ...] = ("step", "collective", "forming", "restore")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fault:
-    kind: FaultKind
-    at_step: int
-    slice: int | None = None
-    during: During = "step"  # multi-process kills: as the step starts, inside its collectives, or in a re-formation
-    hold: bool = True  # revives: the loop waits for the slice to be back (a repeatable drill), or goes on
+__all__ = ["KILL_MOMENTS", "During", "Fault", "FaultKind", "Faults"]  # Fault and its types: from .fault
 
 
 class Faults:
-    """A fluent plan of faults; pass it to ``ElasticJob(faults=...)`` or ``Trainer(faults=...)``."""
+    """A fluent plan of faults (plain data: the :class:`Fault` records); pass it to ``ElasticJob(faults=...)`` or
+    ``Trainer(faults=...)``. It satisfies :class:`~elastic.control.hooks.FaultPlan`: ``injector`` and
+    ``worker_hooks`` hand its faults to :mod:`elastic.chaos.injector`, which knows nothing of this class."""
 
     def __init__(self) -> None:
         self._faults: list[Fault] = []
@@ -130,7 +117,7 @@ class Faults:
                 "in single-process mode the chaos runner's phases place a kill inside a step or a "
                 "restore"
             )
-        return (DriverFaults if handles.multi else FaultInjector).for_job(self, handles)
+        return (DriverFaults if handles.multi else FaultInjector)(self.faults, handles)
 
     def worker_hooks(self) -> list[WorkerHook]:
         """Multi-process mode: the step hooks each worker runs to carry out its share of this plan."""

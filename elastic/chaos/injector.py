@@ -1,27 +1,21 @@
-"""Fault injection for drills and tests: carries out a :class:`~elastic.chaos.faults.Faults` plan.
+"""Fault injection for drills and tests: fires a plan's :class:`~elastic.chaos.fault.Fault` records when they are due.
 
 The controller knows nothing of faults: an injector is one of its before-step hooks. A killed slice's
 agent actor dies for real and its simulated devices fail, so detection and recovery run exactly as for
-a real failure; ``kill_client`` is a real SIGKILL of this process.
+a real failure; ``kill_client`` is a real SIGKILL of this process. What each kind does is written once, in
+:mod:`elastic.chaos.effects`; the injectors here decide when, and in which process, it is done.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import jax
-
-from elastic import runtime
-from elastic.chaos.faults import Fault, Faults
-from elastic.control.accounting import Accounting
-from elastic.control.cluster import ActorGroup
-from elastic.control.watcher import ViewWatcher
+from elastic.chaos import effects
+from elastic.chaos.fault import Fault
 from elastic.errors import RecoveryTimeoutError
 from elastic.log import get_logger
 from elastic.snapshot import Snapshotter
@@ -32,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
 
 DRILL_NAMESPACE = "elastic-drills"  # Ray KV namespace of the marks of worker faults fired
-COLLECTIVE_DELAY_S = 0.02  # a kill "during the collective": this long into the step, its work in flight
 
 
 class FaultInjector:
@@ -40,55 +33,29 @@ class FaultInjector:
     ``revive`` returns once the slice is back in the membership view (at most ``hold_s``), so the job grows onto
     it at the next step boundary however long its new agent took to start (``hold=False``: it returns at once)."""
 
-    def __init__(
-        self,
-        faults: Faults,
-        *,
-        topology: runtime.Topology,
-        simulated: bool,
-        group: Callable[[], ActorGroup],
-        accounting: Accounting,
-        job: str,
-        watcher: Callable[[], ViewWatcher | None] = lambda: None,
-        hold_s: float = 60.0,
-    ) -> None:
-        self._faults = faults
-        self._topology = topology
-        self._simulated = simulated
-        self._group = group
-        self._acct = accounting
-        self._watcher = watcher
+    def __init__(self, faults: Sequence[Fault], handles: JobHandles, *, hold_s: float = 60.0) -> None:
+        self._faults = tuple(faults)
+        self._handles = handles
+        self._acct = handles.accounting
         self.hold_s = hold_s
         self._fired: set[Fault] = set()
         self._kills: list[threading.Thread] = []  # agents being killed beside the loop
-        self._log = get_logger("elastic.chaos.faults", job=job)
-
-    @classmethod
-    def for_job(cls, faults: Faults, handles: JobHandles) -> FaultInjector:
-        return cls(
-            faults,
-            topology=handles.topology,
-            simulated=handles.simulated,
-            group=handles.group,
-            accounting=handles.accounting,
-            job=handles.job,
-            watcher=handles.watcher,
-        )
+        self._log = get_logger("elastic.chaos.faults", job=handles.job)
 
     def __call__(self, step: int) -> None:
-        for fault in self._faults.faults:
+        for fault in self._faults:
             if fault.at_step == step and fault not in self._fired:
                 self._fired.add(fault)
                 self._inject(fault)
 
-    def _kill_beside(self, group: ActorGroup, index: int) -> None:
+    def _kill_beside(self, index: int) -> None:
         """Kill slice ``index``'s agent on a thread of its own: a host's death does not hold the training loop
-        for the actor kill's round trip (3-35 ms measured here), which the injection would otherwise add to the
-        time the loss takes to be seen."""
+        for the actor kill's round trip, which the injection would otherwise add to the time the loss takes to be
+        seen."""
 
         def kill() -> None:
             try:
-                group.kill_agent(index)
+                effects.kill_agent(self._handles, index)
             except Exception as err:  # noqa: BLE001 - a drill whose cluster is gone: nothing left to kill
                 self._log.info("agent_kill_failed", slice=index, error=f"{type(err).__name__}: {err}"[:200])
 
@@ -112,43 +79,41 @@ class FaultInjector:
         self._log.warning("fault_injected", kind=fault.kind, slice=fault.slice, step=fault.at_step)
         self._acct.timeline.add(f"inject_{fault.kind}", step=fault.at_step, slice=fault.slice)
         if fault.kind == "kill_client":
-            os.kill(os.getpid(), signal.SIGKILL)
+            effects.kill_this_process()
         if fault.kind == "transient":
             self._acct.report.failures_injected += 1
-            raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {fault.at_step}")
+            effects.transient_failure(fault.at_step)
         if fault.kind == "supervisor_restart":
             self._acct.report.failures_injected += 1
-            self._group().kill_supervisor(no_restart=False)
+            effects.restart_supervisor(self._handles)
             return
         if fault.kind == "hang":  # the step's next compiled call never completes until the watchdog aborts it
             self._acct.report.failures_injected += 1
-            runtime.hangs.arm(None if fault.slice is None else self._topology.slice(fault.slice))
+            effects.hang(None if fault.slice is None else self._handles.topology.slice(fault.slice))
             return
         assert fault.slice is not None
-        slice_ = self._topology.slice(fault.slice)
-        group = self._group()
         if fault.kind == "kill":
             self._acct.report.failures_injected += 1
-            if self._simulated:  # the devices die at once; the agent's death (a GCS round trip) goes on beside
-                runtime.simulated.kill_slice(slice_)
-                self._kill_beside(group, fault.slice)
+            if self._handles.simulated:  # the devices die at once; the agent's death (a GCS round trip) goes on beside
+                effects.kill_simulated_slice(self._handles, fault.slice)
+                self._kill_beside(fault.slice)
             else:
-                group.kill_agent(fault.slice)
+                effects.kill_agent(self._handles, fault.slice)
         elif fault.kind == "silence":
             self._acct.report.failures_injected += 1
-            group.agent(fault.slice).silence.remote(token=group.control)
+            effects.silence_agent(self._handles, fault.slice)
         elif fault.kind == "revive":
             self.settle()  # its agent's kill first
-            if self._simulated:
-                runtime.simulated.revive_slice(slice_)
+            if self._handles.simulated:
+                effects.revive_simulated_slice(self._handles, fault.slice)
             if fault.hold:
-                group.spawn_agent(fault.slice)
+                self._handles.group().spawn_agent(fault.slice)
                 self._await_back(fault.slice)
             else:  # the new agent starts and registers on its own; the job grows when the view has it
-                group.revive(fault.slice)
+                self._handles.group().revive(fault.slice)
 
     def _await_back(self, index: int) -> None:
-        watcher = self._watcher()
+        watcher = self._handles.watcher()
         if watcher is None:
             return
         try:
@@ -205,16 +170,14 @@ class WorkerFaults:
             get_logger("elastic.faults").warning(
                 "fault_injected", kind=fault.kind, step=step, slice=slice_index, during=fault.during
             )
-            if fault.kind == "kill" and fault.during == "collective":  # the step's work dispatched and running
-                threading.Timer(COLLECTIVE_DELAY_S, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            elif fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "kill":  # "collective": the step's work dispatched and running
+                effects.kill_this_process(in_collective=fault.during == "collective")
             elif fault.kind in ("silence", "hang") and fault.slice is not None:
-                os.kill(os.getpid(), signal.SIGSTOP)  # a hung host: the whole process stops
+                effects.stop_this_process()  # a hung host: the whole process stops
             elif fault.kind == "hang":
-                runtime.hangs.arm(None)
+                effects.hang(None)
             elif fault.kind == "transient":
-                raise jax.errors.JaxRuntimeError(f"UNAVAILABLE: injected transient failure at step {step}")
+                effects.transient_failure(step)
 
     def takes(self, slice: int) -> bool:
         """Whether a fault of this plan takes ``slice`` down (a kill, a silence, a hang of that slice)."""
@@ -238,7 +201,7 @@ class WorkerFaults:
                 get_logger("elastic.faults").warning(
                     "fault_injected", kind="kill", during=name, slice=context.slice, step=context.step
                 )
-                os.kill(os.getpid(), signal.SIGKILL)
+                effects.kill_this_process()
 
     def _hold(self, context: Any, fault: Fault) -> None:
         import ray
@@ -257,29 +220,18 @@ class DriverFaults:
     new process for its slice unless the slice is back already (``Processes.replace_lost`` may have started one);
     ``kill_client`` SIGKILLs this process. The workers' faults are counted and marked on the timeline here."""
 
-    def __init__(
-        self,
-        faults: Faults,
-        *,
-        group: Callable[[], ActorGroup],
-        accounting: Accounting,
-        job: str,
-    ) -> None:
-        self._faults = faults
-        self._group = group
-        self._acct = accounting
+    def __init__(self, faults: Sequence[Fault], handles: JobHandles) -> None:
+        self._faults = tuple(faults)
+        self._handles = handles
+        self._acct = handles.accounting
         self._fired: set[Fault] = set()
-        self._log = get_logger("elastic.faults", job=job)
-
-    @classmethod
-    def for_job(cls, faults: Faults, handles: JobHandles) -> DriverFaults:
-        return cls(faults, group=handles.group, accounting=handles.accounting, job=handles.job)
+        self._log = get_logger("elastic.faults", job=handles.job)
 
     def settle(self) -> None:
         """Nothing runs beside the loop: the workers carry out their faults themselves."""
 
     def __call__(self, step: int) -> None:
-        for fault in self._faults.faults:
+        for fault in self._faults:
             if fault.at_step <= step and fault not in self._fired:
                 self._fired.add(fault)
                 self._fire(fault)
@@ -288,14 +240,14 @@ class DriverFaults:
         self._acct.timeline.add(f"inject_{fault.kind}", step=fault.at_step, slice=fault.slice)
         if fault.kind == "kill_client":
             self._log.warning("fault_injected", kind=fault.kind, step=fault.at_step)
-            os.kill(os.getpid(), signal.SIGKILL)
+            effects.kill_this_process()
         if fault.kind == "revive":
             assert fault.slice is not None
-            self._group().revive(fault.slice)  # unless a replacement is starting, or the slice is back
+            self._handles.group().revive(fault.slice)  # unless a replacement is starting, or the slice is back
             return
         if fault.kind == "supervisor_restart":
             self._log.warning("fault_injected", kind=fault.kind, step=fault.at_step)
-            self._group().kill_supervisor(no_restart=False)
+            effects.restart_supervisor(self._handles)
         self._acct.report.failures_injected += 1
 
 

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from elastic.chaos import effects
 from elastic.chaos.catalogue import ChaosFault, Schedule
-from elastic.chaos.faults import Fault, Faults
+from elastic.chaos.fault import Fault
 from elastic.chaos.injector import FaultInjector
 from elastic.errors import NoticeError
 from elastic.log import get_logger
@@ -51,7 +52,7 @@ def aim_for(job: ElasticJob) -> Aim:
     (``FaultInjector``'s kill). Multi-process: the worker process that ran the slice when the notice was given is
     killed (``ray.kill``; a worker that already left on the notice has exited, and a newer one is left alone)."""
     if job.config.processes is None:
-        injector = FaultInjector.for_job(Faults(), job.handles)
+        injector = FaultInjector((), job.handles)
         return lambda s, step: lambda: injector.fire(Fault(kind="kill", at_step=step, slice=s))
 
     def aim(s: int, step: int) -> Callable[[], None]:
@@ -60,10 +61,7 @@ def aim_for(job: ElasticJob) -> Aim:
         def kill() -> None:
             job.timeline.add("inject_kill", step=step, slice=s)
             job.report.failures_injected += 1
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception as err:  # noqa: BLE001 - the process is gone already
-                get_logger("elastic.chaos.notices").info("worker_kill_failed", slice=s, error=type(err).__name__)
+            effects.kill_worker(handle, s)
 
         return kill
 

@@ -19,8 +19,9 @@ from typing import Any
 import ray
 
 from elastic.api.job import ElasticJob
+from elastic.chaos import effects
 from elastic.chaos.catalogue import ChaosFault, Schedule
-from elastic.chaos.faults import Fault, Faults
+from elastic.chaos.fault import Fault
 from elastic.chaos.injector import FaultInjector, snapshotter_of
 from elastic.chaos.notices import NoticeGiver
 from elastic.log import get_logger
@@ -38,7 +39,7 @@ class Seams:
         self._notices = notices
         self._pending = list(schedule.seams()) + [f for f in schedule.notices() if f.kind == "notice"]
         self._silences = {f.at_step: f.slice for f in schedule.faults if f.kind == "silence"}
-        self._injector = FaultInjector.for_job(Faults(), job.handles)
+        self._injector = FaultInjector((), job.handles)
         self._events_seen = 0
         self._slices: tuple[int, ...] | None = None
         self._reached = -1  # the highest step started
@@ -99,7 +100,7 @@ class Seams:
             for_good = fault.kind == "supervisor_lost"
             self._job.timeline.add(f"inject_{fault.kind}", step=step)
             self._job.report.failures_injected += 1
-            self._job.group.kill_supervisor(no_restart=for_good)  # restartable: Ray starts it again
+            effects.restart_supervisor(self._job.handles, for_good=for_good)  # restartable: Ray starts it again
         elif fault.kind == "straggler":
             self._job.timeline.add("inject_straggler", step=step, seconds=fault.seconds)
             time.sleep(fault.seconds or 0.0)

@@ -1,8 +1,8 @@
-"""Ray connection and the job's actors: one supervisor, one agent per slice.
+"""The job's actors: one supervisor, one agent per slice (``connect``, the Ray connection: :mod:`.connect`).
 
-``connect`` joins the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets for its entry
-point) or starts an embedded one with ``ray.init(address="local")``. ``ActorGroup`` launches the
-supervisor and agents, waits (bounded) until each agent has registered, and tears them down. With
+``ActorGroup`` launches the supervisor and agents, waits (bounded) until each agent has registered, and tears
+them down (a crashed client's job is taken over: :mod:`.takeover`; agents are started by an
+:class:`~elastic.control.agents.AgentFactory`). With
 ``Policy.respawn_every_s`` set, it also starts a replacement agent for each slice the supervisor lists as
 ``respawnable`` (its agent died), at most once per ``respawn_every_s`` per slice: the client owns agent
 creation (and the incarnation counter that names agents ``agent-{slice}-{incarnation}``), so it respawns too.
@@ -11,125 +11,29 @@ creation (and the incarnation counter that names agents ``agent-{slice}-{incarna
 from __future__ import annotations
 
 import math
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from elastic import quiet
 from elastic.config import ElasticConfig
-from elastic.control.teardown import cleanup, close_supervisor, kill_actor, sweep_agents
-from elastic.control.tokens import find_token, job_token, remove_token, write_token
-from elastic.errors import AccessError, SupervisorError
+from elastic.control.agents import AgentFactory, SliceAgents
+from elastic.control.connect import connect, workers_start_niced
+from elastic.control.takeover import job_credential, take_over
+from elastic.control.teardown import close_supervisor, kill_actor, sweep_agents
+from elastic.control.tokens import job_token, remove_token, write_token
+from elastic.errors import SupervisorError
 from elastic.log import get_logger
 from elastic.supervision import credential, events
-from elastic.supervision.agent import SliceAgent
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.identity import JobActors, SquatError, holder
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
-__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]
-
-
-_AT_NORMAL_PRIORITY: set[str] = set()  # the GCS addresses of the clusters connect started: workers at nice 0
-
-
-def connect(address: str | None = None) -> bool:
-    """Make sure this process is a Ray driver; True if this call started an embedded cluster."""
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
-    quiet.route_ray_loggers()
-    if address and address != "auto" and "://" not in address.removeprefix("gcs://"):
-        from elastic.control.reach import probe
-
-        probe(address)  # a clear ClusterError within seconds, not ray.init's 20-40 s of retries
-    with quiet.starting_ray():
-        if address:
-            ray.init(address=address, **common)
-        else:
-            # Ray's workers start at nice 15, below any busy neighbour: the job's processes start at 0 instead (on a
-            # cluster of your own, start Ray with RAY_worker_niceness=0; see elastic.priority)
-            context = ray.init(
-                address="local", include_dashboard=False, _system_config={"worker_niceness": 0}, **common
-            )
-    quiet.route_ray_errors()
-    if address:
-        return False
-    _AT_NORMAL_PRIORITY.add(context.address_info["gcs_address"])  # type: ignore[attr-defined]  # a RayContext
-    _start_reaper(context.address_info["session_dir"])  # type: ignore[attr-defined]
-    return True
-
-
-def workers_start_niced() -> bool:
-    """Whether the cluster this process drives may start its worker processes below an ordinary priority (Ray's
-    nice 15): any cluster but an embedded one :func:`connect` started."""
-    try:
-        address = ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - a Ray Client connection may not say: assume Ray's default
-        return True
-    return address not in _AT_NORMAL_PRIORITY
-
-
-_REAPERS: list[int] = []  # the pids of the reapers started here
-
-
-def _start_reaper(session_dir: str) -> None:
-    """Start ``elastic.control.reaper``: it ends the embedded cluster's processes if this process dies without
-    ``ray.shutdown()`` (SIGKILL included), and exits by itself after a normal shutdown. Spawned with
-    ``posix_spawn`` in its own session: no at-fork hook runs here, and no ``Popen`` is left to warn at exit."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
-    pid = os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-m", "elastic.control.reaper", "--pid", str(os.getpid()), "--session-dir", session_dir],
-        env,
-        file_actions=devnull,
-        setsid=True,
-    )
-    _REAPERS.append(pid)
-    threading.Thread(target=os.waitpid, args=(pid, 0), name="reaper-wait", daemon=True).start()  # no zombie
-
-
-CLIENT_GONE_S = 5.0  # a supervisor whose client has not waited on it this long belongs to a dead client
-
-
-class AgentFactory(Protocol):
-    """Starts a slice's agent actor (``options``: its name, namespace and placement; ``control``: the digest of the
-    job's control credential, which every call on the agent must carry); returns its handle. The actor has
-    ``start()`` (register, begin heartbeating; returns the incarnation), ``lifeline()``, ``silence()``, each
-    taking ``token=``."""
-
-    detached: bool  # the agent outlives the client (single-process mode's agents); else it dies with the driver
-
-    def __call__(
-        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
-    ) -> Any: ...
-
-
-class SliceAgents:
-    """Single-process mode's agents: a small :class:`SliceAgent` actor per slice, detached."""
-
-    detached = True
-
-    def __init__(self, config: ElasticConfig) -> None:
-        self._config = config
-
-    def __call__(
-        self, index: int, incarnation: int, supervisor: Any, options: dict[str, Any], control: str | None
-    ) -> Any:
-        cfg = self._config
-        return SliceAgent.options(**options).remote(  # type: ignore[attr-defined]  # a ray actor class
-            index, incarnation, supervisor, cfg.heartbeat_interval_s, cfg.job_name, cfg.notices, control
-        )
+__all__ = ["ActorGroup", "AgentFactory", "SliceAgents", "connect", "workers_start_niced"]  # see .agents, .connect
 
 
 class ActorGroup:
@@ -227,49 +131,10 @@ class ActorGroup:
         return credential.derive(self.token, "stream")
 
     def _take_over(self) -> None:
-        """Another client's supervisor runs for this job: take the job over if that client is gone (its
-        supervisor and agents are replaced, its keepers kept), refuse if it is alive, or if this process does not
-        hold the job's credential (``$ELASTIC_TOKEN``, or the file the crashed client wrote for this user). The
-        actor holding the supervisor's name is called only once its ID is the one the job recorded under that
-        credential (:mod:`elastic.supervision.identity`): a squatter, or another job's supervisor, gets nothing."""
-        cfg = self._config
-        token = find_token(cfg.job_name)
-        if token is None:
-            raise AccessError(
-                f"a supervisor for job {cfg.job_name!r} runs and this process holds no credential for "
-                "it: run the successor as the job's user on its client machine, or set ELASTIC_TOKEN"
-            )
-        self.token = token
-        existing = self.actors.find(SUPERVISOR_NAME)  # SquatError: not the job's under this credential
-        if existing is None:  # gone meanwhile: a fresh start
-            return
-        try:  # the crashed client's run goes on: one stream tells the crash and the take-over
-            self.run = ray.get(existing.run_id.remote(token=token), timeout=10)
-        except AccessError as err:
-            raise AccessError(
-                f"job {cfg.job_name!r} runs under another credential than this process's: pick another job_name"
-            ) from err
-        except Exception:  # noqa: BLE001 - a dead or older supervisor: its job's current run, if any
-            self.run = events.current_run(cfg.job_name)
-        deadline = time.monotonic() + CLIENT_GONE_S + 5.0
-        idle = 0.0
-        while time.monotonic() < deadline:
-            try:
-                idle = ray.get(existing.client_idle_s.remote(token=token), timeout=10)
-            except AccessError:
-                raise
-            except Exception:  # noqa: BLE001 - a dead or stale supervisor is replaced like an idle one
-                idle = float("inf")
-            if idle > CLIENT_GONE_S:
-                break
-            time.sleep(0.5)
-        else:
-            raise SupervisorError(
-                f"a supervisor for job {cfg.job_name!r} is already running in namespace {cfg.namespace!r} and its "
-                "client is alive: pick another job_name or stop that job first"
-            )
-        replaced = cleanup(cfg.job_name, keep_keepers=True, token=token)
-        self._log.warning("took_over_job", client_idle_s=round(idle, 1), replaced=replaced)
+        """Take over the job of a crashed client (:func:`~elastic.control.takeover.take_over`), under the job's
+        credential as a successor finds it."""
+        self.token = job_credential(self._config)
+        self.run = take_over(self._config, self.actors, self.token, self.run, self._log)
 
     def spawn_agent(self, index: int, *, wait: bool = True) -> None:
         """Start a (new incarnation of the) agent of slice ``index``; a previous agent of that slice, even a
@@ -360,16 +225,6 @@ class ActorGroup:
             self.supervisor.expect.remote(index, incarnation, self._config.startup_timeout_s)
         except Exception as err:  # noqa: BLE001 - a supervisor restarting: only the wait's length is at stake
             self._log.warning("expect_failed", slice=index, error=repr(err))
-
-    def respawn_now(self) -> None:
-        """Start the replacements due now, without waiting for the respawner's next round (a loss was just seen)."""
-        every = self.respawn_every_s
-        if every is None or self._stop.is_set():
-            return
-        try:
-            self._respawn_once(every)
-        except Exception as err:  # noqa: BLE001 - the respawner tries again on its next round
-            self._log.warning("respawn_check_failed", error=repr(err))
 
     def _respawn_loop(self) -> None:
         every = self.respawn_every_s

@@ -38,9 +38,9 @@ while True:  # wait (bounded) for the raylet's agents, the processes the issue i
     time.sleep(0.2)
 print(json.dumps({"session_dir": session_dir, "pids": [[p.pid, p.create_time()] for p in procs]}), flush=True)
 if sys.argv[1:] == ["shutdown"]:
-    from elastic.control.cluster import _REAPERS
+    from elastic.control.connect import REAPERS
     ray.shutdown()
-    print(json.dumps({"reaper": _REAPERS[0]}), flush=True)
+    print(json.dumps({"reaper": REAPERS[0]}), flush=True)
 time.sleep(600)  # until SIGKILLed
 """
 

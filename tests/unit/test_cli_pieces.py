@@ -10,7 +10,7 @@ def test_too_few_devices_after_jax_started_is_a_clear_config_error():
     """A chaos target whose module touched jax on import: the CLI says what to set, not jax's raw RuntimeError."""
     code = (
         "import jax; jax.devices()\n"
-        "from elastic.cli import _force_cpu_devices\n"
+        "from elastic.cli_commands import force_cpu_devices as _force_cpu_devices\n"
         "from elastic.errors import ConfigError\n"
         "_force_cpu_devices(1)\n"  # enough: fine
         "try:\n"
