@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from elastic.snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
 from elastic.snapshot.persistent import PersistentDirectoryError, PersistentTier
 
-from ..conftest import bounded
+from ..conftest import bounded, compile_events
 
 SPECS = {
     "w": P("replica", "local"),
@@ -210,18 +210,9 @@ def test_first_save_on_a_new_mesh_compiles_nothing_and_keeps_the_key_impl(tmp_pa
     state = make_state(mesh, seed=3)
     state["keys"] = jax.device_put(jax.random.split(jax.random.key(3, impl="rbg"), 24), state["keys"].sharding)
     jax.block_until_ready(state)
-    compiles = []
-
-    def on_event(event: str, seconds: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
     with PersistentTier(tmp_path, every=1, job="j") as tier:
-        jax.monitoring.register_event_duration_secs_listener(on_event)
-        try:
+        with compile_events() as compiles:
             tier.save(1, state, {})
-        finally:
-            jax.monitoring.unregister_event_duration_listener(on_event)
         assert compiles == []
         _, restored, _ = tier.load(abstract_on(grid_mesh(4, 2), state))
     assert str(jax.random.key_impl(restored["keys"])) == "rbg"
