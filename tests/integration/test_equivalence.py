@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import jax
 import numpy as np
 import pytest
 
 from elastic import Faults
 
+from ..conftest import replay_hint
 from .helpers import max_abs_diff, trainer
 
 pytestmark = pytest.mark.integration
@@ -27,21 +26,20 @@ def ray_local_module():
     connect()
 
 
-def test_random_slice_loss_matches_failure_free_run(reference):
-    rng = random.Random()
-    seed = rng.randrange(2**31)
-    choice = random.Random(seed)
-    slice_, step = choice.randrange(4), choice.randrange(1, 39)
-    print(f"seed={seed}: killing slice {slice_} at step {step}")
+def test_random_slice_loss_matches_failure_free_run(reference, rng):
+    """A random slice lost at a random step (the ``rng`` fixture: ``ELASTIC_TEST_SEED`` replays the case)."""
+    slice_, step = rng.randrange(4), rng.randrange(1, 39)
+    case = f"slice {slice_} killed at step {step}, {replay_hint()}"
+    print(case)
     result = trainer("eq-failure", Faults().kill_slice(slice_, at_step=step)).fit()
     report = result.report
-    assert report.recoveries == 1 and report.min_slices_seen == 3 and report.client_restarts == 0
-    assert max_abs_diff(result.state["params"], reference.state["params"]) < 1e-5, f"seed={seed}"
+    assert report.recoveries == 1 and report.min_slices_seen == 3 and report.client_restarts == 0, case
+    assert max_abs_diff(result.state["params"], reference.state["params"]) < 1e-5, case
     # On CPU the restore landed in the survivors' buffers of the state live at the loss (runtime.landing), except
     # after a loss at the step of a snapshot still in flight: that restore keeps those very buffers in place.
     (restored,) = [e for e in report.timeline if e["event"] == "restored"]
     in_flight = restored["step"] == step and "own buffers" in restored.get("not_landed", "")
-    assert restored["landed"] or in_flight, (seed, restored)
+    assert restored["landed"] or in_flight, (case, restored)
 
 
 def test_shrink_with_indivisible_batch_accumulates_exactly(ray_local_module):

@@ -22,15 +22,14 @@ def test_min_slices_above_slice_count():
         ElasticConfig(num_slices=4, policy=Policy(min_slices=5))
 
 
-def test_state_structure_not_matching_shardings_fails_before_anything_starts():
+def test_state_structure_not_matching_shardings_fails_before_anything_starts(ray_local):
+    cfg = config("bad-structure")
     with pytest.raises(ConfigError, match="one sharding or PartitionSpec per array leaf"):
-        ElasticJob(config("bad-structure"), init_fn=_init, shardings_fn=lambda mesh: {"w": P()})
-    # It failed before launching anything: no supervisor exists for the job.
-    import ray
-
-    if ray.is_initialized():
-        with pytest.raises(ValueError):
-            ray.get_actor("supervisor", namespace="elastic-bad-structure")
+        ElasticJob(cfg, init_fn=_init, shardings_fn=lambda mesh: {"w": P()})
+    # It failed before launching anything: on a connected cluster, no supervisor exists for the job.
+    assert ray_local.is_initialized()
+    with pytest.raises(ValueError, match="Failed to look up actor"):
+        ray_local.get_actor("supervisor", namespace=cfg.namespace)
 
 
 def test_leaf_that_does_not_split_over_the_mesh():

@@ -3,7 +3,6 @@ reads it back, and epochs continue; records are bounded per writer."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -15,30 +14,16 @@ from elastic.supervision import events
 from elastic.supervision.agent import SliceAgent
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
+from ..conftest import fresh_cluster, until
+
 pytestmark = pytest.mark.integration
 
 TIMEOUT_S, INTERVAL_S = 1.5, 0.1
 
 
-def until(predicate, bound_s: float, what: str):
-    deadline = time.monotonic() + bound_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {bound_s}s")
-        time.sleep(0.1)
-    return value
-
-
 @pytest.mark.timeout(240)
 def test_the_stream_survives_a_supervisor_restart_on_another_node():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        hosts = [cluster.add_node(num_cpus=1, resources={"supervisor_host": 1}) for _ in range(2)]
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with fresh_cluster(2, [{"num_cpus": 1, "resources": {"supervisor_host": 1}}] * 2) as (cluster, hosts):
         head = cluster.head_node.node_id
         job = f"ev-node-{uuid.uuid4().hex[:6]}"
         namespace, run = f"elastic-{job}", events.new_run(job)
@@ -84,9 +69,6 @@ def test_the_stream_survives_a_supervisor_restart_on_another_node():
         for a in [*agents[:2], sup]:
             ray.kill(a, no_restart=True)
         events.delete(job)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _usage(sup):

@@ -20,6 +20,8 @@ from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_c
 from elastic.snapshot.keeper import KeeperTier, keepers_for
 from elastic.snapshot.keeper_actor import Keeper
 
+from ..conftest import fresh_cluster
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,30 +242,22 @@ def test_images_outlive_a_sigkilled_client_and_restore_onto_a_mesh(ray_local):
 
 
 def test_keepers_live_on_other_nodes_and_survive_losing_one():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     tier, namespace = None, f"keeper-test-nodes-{os.getpid()}"
-    try:
-        hosts = [cluster.add_node(num_cpus=1, wait=False) for _ in range(2)]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        assert (keepers_for(2), keepers_for(3), keepers_for(1)) == (2, 2, 1)  # one per node besides the client's
-        tier = KeeperTier(namespace, num_keepers=2).start()
-        nodes = tier.nodes()
-        assert sorted(nodes.values()) == sorted(h.node_id for h in hosts), nodes  # not the head, one per node
-        image = make_image(3)
-        tier.push(image)
-        assert tier.wait(30)
-        lost = next(h for h in hosts if h.node_id == nodes["keeper-0"])
-        cluster.remove_node(lost)
-        assert_same(tier.latest(timeout=30), image)
-        assert tier.stats()["keepers_alive"] == 1
-        tier.close(kill=True)
-        assert_no_keepers_left(namespace)
-    finally:
-        if tier is not None:
+    with fresh_cluster(1, [{"num_cpus": 1, "wait": False}] * 2) as (cluster, hosts):
+        try:
+            assert (keepers_for(2), keepers_for(3), keepers_for(1)) == (2, 2, 1)  # one per node besides the client's
+            tier = KeeperTier(namespace, num_keepers=2).start()
+            nodes = tier.nodes()
+            assert sorted(nodes.values()) == sorted(h.node_id for h in hosts), nodes  # not the head, one per node
+            image = make_image(3)
+            tier.push(image)
+            assert tier.wait(30)
+            lost = next(h for h in hosts if h.node_id == nodes["keeper-0"])
+            cluster.remove_node(lost)
+            assert_same(tier.latest(timeout=30), image)
+            assert tier.stats()["keepers_alive"] == 1
             tier.close(kill=True)
-        ray.shutdown()
-        cluster.shutdown()
+            assert_no_keepers_left(namespace)
+        finally:
+            if tier is not None:
+                tier.close(kill=True)

@@ -47,7 +47,7 @@ def test_a_notice_leaves_the_slice_at_a_step_boundary_and_recomputes_nothing(ray
     job, loop = ledger_job("notice-leave", faults, on_step=on_step, num_steps=N)
     with job:
         result = job.run(loop)
-        records = ray.get(job.group.supervisor.events.remote())
+        records = ray.get(job.group.supervisor.events.remote(), timeout=30)
     exactly_once(result.state)
     assert job.ledger.steps == list(range(N)) and job.ledger.batches == list(range(N))
     r = result.report
@@ -87,7 +87,7 @@ def test_a_notice_it_cannot_take_is_refused_in_one_line_and_the_job_goes_on(ray_
     job, loop = ledger_job("notice-refused", on_step=on_step, num_steps=16)
     with job:
         result = job.run(loop)
-        records = ray.get(job.group.supervisor.events.remote())
+        records = ray.get(job.group.supervisor.events.remote(), timeout=30)
     assert len(refusals) == 4, refusals
     assert all(len(r.splitlines()) == 1 and "notice" in r for r in refusals), refusals
     assert "does not hold slice(s) 7" in refusals[0] and "deadline has passed" in refusals[1], refusals
@@ -136,8 +136,8 @@ def test_a_restarted_supervisor_still_knows_the_slice_is_leaving(ray_local):
     job, loop = ledger_job("notice-restart", Faults().restart_supervisor(at_step=12), on_step=on_step, num_steps=24)
     with job:
         result = job.run(loop)
-        usage = ray.get(job.group.supervisor.usage.remote())
-        view = ray.get(job.group.supervisor.view.remote())
+        usage = ray.get(job.group.supervisor.usage.remote(), timeout=30)
+        view = ray.get(job.group.supervisor.view.remote(), timeout=30)
     exactly_once(result.state, 24)
     r = result.report
     assert (r.notices, r.planned_shrinks, r.recoveries, r.steps_recomputed, r.slices_final) == (1, 1, 0, 0, 3), r

@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec
 
 from elastic.runtime import distributed
 
+from ..conftest import replay_hint
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -182,16 +184,12 @@ def _check_promises(report: dict, spec) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_local) -> None:
+def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_local, rng) -> None:
     """A random worker SIGKILLed at a random step (seeded: ``ELASTIC_TEST_SEED`` replays a failure); the survivors
     re-form in their own processes and restore from their host memory (their own shards, the buddy copies of the
     lost one's); the step is compiled ahead for the smaller group; a new process for the slice joins at a boundary."""
-    import random
-
     from elastic.demos.processes import ProcessDemoSpec
 
-    seed = int(os.environ.get("ELASTIC_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    rng = random.Random(seed)
     kill_at = rng.randint(1, 10)
     spec = ProcessDemoSpec(
         steps=24,
@@ -202,7 +200,7 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
         snapshot_every=5,
         job_name="processes-kill",
     )
-    print(f"ELASTIC_TEST_SEED={seed}: slice {spec.kill_slice} killed at step {spec.kill_at}")
+    print(f"slice {spec.kill_slice} killed at step {spec.kill_at}, {replay_hint()}")
     report = _run_demo(spec)
     _check_promises(report, spec)
     events = report["timeline"]

@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec
 from elastic import ElasticConfig, ElasticError, ElasticJob, Faults, Policy, Processes, Tiers
 from elastic.demos.processes import ProcessDemoSpec, process_config, run_process_demo
 
+from ..conftest import fresh_cluster
+
 pytestmark = pytest.mark.integration
 
 
@@ -75,15 +77,8 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
 
 @pytest.mark.timeout(300)
 def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one() -> None:
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        for _ in range(2):  # two hosts of two worker processes each
-            cluster.add_node(num_cpus=1, resources={"trainer_host": 2})
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    host = {"num_cpus": 1, "resources": {"trainer_host": 2}}  # two hosts of two worker processes each
+    with fresh_cluster(1, [host, host]) as (cluster, _):
         spec = ProcessDemoSpec(steps=30, num_slices=4, snapshot_every=5, job_name="processes-node")
         config = process_config(
             spec,
@@ -96,11 +91,11 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
         def remove_at_six(step: int, metrics: dict, run) -> None:
             if step == 6 and not removed:
                 for s in range(4):  # every thread of every worker, Ray's included (nodes of one machine here)
-                    pid = ray.get(job.group.agent(s).where.remote())[0]
+                    pid = ray.get(job.group.agent(s).where.remote(), timeout=30)[0]
                     niceness[s] = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-                node_id = ray.get(job.group.agent(1).where.remote())[1]
-                removed.extend(s for s in range(4) if ray.get(job.group.agent(s).where.remote())[1] == node_id)
-                (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+                node_of = {s: ray.get(job.group.agent(s).where.remote(), timeout=30)[1] for s in range(4)}
+                removed.extend(s for s in range(4) if node_of[s] == node_of[1])
+                (node,) = [n for n in cluster.worker_nodes if n.node_id == node_of[1]]
                 cluster.remove_node(node)
                 cluster.add_node(num_cpus=1, resources={"trainer_host": 2})
 
@@ -122,9 +117,6 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
 
         reference, _ = reference_params(spec)
         assert max_abs_diff(result.state["params"], reference) <= 1e-4
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _held_loop(namespace: str, at_step: int):
@@ -142,7 +134,10 @@ def _held_loop(namespace: str, at_step: int):
                 supervisor = ray.get_actor("supervisor", namespace=namespace)
                 token = read_token(namespace.removeprefix("elastic-"))
                 deadline = time.monotonic() + 120
-                while len(ray.get(supervisor.view.remote(token=token)).active) < 4 and time.monotonic() < deadline:
+                while (
+                    len(ray.get(supervisor.view.remote(token=token), timeout=30).active) < 4
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.1)
             state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
             run.commit(state, loss=loss)

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
             import time; time.sleep(s)
     a = Sleeper.remote()
     ref = a.nap.remote(3)
-    ray.get(a.nap.remote(0))
+    ray.get(a.nap.remote(0), timeout=60)
     ray.kill(a, no_restart=False)
     ray.get(ref, timeout=60)
     ray.shutdown()

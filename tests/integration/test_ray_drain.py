@@ -10,6 +10,7 @@ import time
 import pytest
 import ray
 
+from ..conftest import fresh_cluster
 from .helpers import ledger_job
 
 pytestmark = pytest.mark.integration
@@ -34,14 +35,7 @@ def drain(address: str, node_id: str, deadline_s: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_ray_node_drain_leaves_the_slice_before_the_node_goes():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        host = cluster.add_node(num_cpus=0)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with fresh_cluster(2, [{"num_cpus": 0}]) as (cluster, (host,)):
         seen: dict[str, float] = {}
 
         def on_step(step, metrics, run):
@@ -60,7 +54,7 @@ def test_a_ray_node_drain_leaves_the_slice_before_the_node_goes():
                 fresh = cluster.add_node(num_cpus=0)  # a new node; its agent brings slice 3 back
                 cluster.wait_for_nodes()
                 job.group._agent_nodes[3] = fresh.node_id  # the slice's agent goes to the new node
-                epoch = ray.get(job.group.supervisor.view.remote()).epoch
+                epoch = ray.get(job.group.supervisor.view.remote(), timeout=30).epoch
                 back = threading.Event()
 
                 def revive() -> None:
@@ -83,9 +77,6 @@ def test_a_ray_node_drain_leaves_the_slice_before_the_node_goes():
         with job:
             result = job.run(loop)
             events = job.group.events()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     assert seen["back"] > 0, "slice 3 did not come back on the new node"
     assert seen["left"] < seen["deadline"] <= seen["removed"], seen
     r = result.report

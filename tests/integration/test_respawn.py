@@ -3,10 +3,10 @@ at most once per ``respawn_every_s``, and rejoins through decide; without it, th
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import ray
@@ -15,21 +15,13 @@ from elastic.config import Policy
 from elastic.control.cluster import ActorGroup
 from elastic.supervision.membership import View
 
+from ..conftest import until
 from .helpers import config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 EVERY_S = 1.0
 ALL4 = frozenset(range(4))
-
-
-def until(predicate: Callable[[], Any], bound_s: float, what: str) -> Any:
-    deadline = time.monotonic() + bound_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {bound_s}s")
-        time.sleep(0.05)
-    return value
 
 
 def named_actors(namespace: str) -> list[str]:
@@ -42,6 +34,45 @@ def view_of(group: ActorGroup) -> View:
 
 def view_becomes(group: ActorGroup, active: frozenset[int], bound_s: float) -> View:
     return until(lambda: (v := view_of(group)).active == active and v, bound_s, f"view over {sorted(active)}")
+
+
+def registered(group: ActorGroup, slice_index: int, incarnation: int) -> bool:
+    """Whether the supervisor holds agent ``incarnation`` as slice ``slice_index``'s (a beat it knows)."""
+    return ray.get(group.supervisor.heartbeats.remote([(slice_index, incarnation)]), timeout=30) == []
+
+
+class RespawnerRounds:
+    """Counts the rounds of the group's respawner that ran to the end (it wraps ``_respawn_once``, which the
+    respawner's thread calls every ``min(respawn_every_s, 1)`` s): "no respawn" is shown by rounds that ran and
+    started nothing, not by time slept."""
+
+    def __init__(self, group: ActorGroup) -> None:
+        self._done = 0
+        self._errors: list[BaseException] = []
+        self._cv = threading.Condition()
+        inner = group._respawn_once
+
+        def counted(every: float) -> None:
+            try:
+                inner(every)
+            except BaseException as err:
+                with self._cv:
+                    self._errors.append(err)
+                raise
+            with self._cv:
+                self._done += 1
+                self._cv.notify_all()
+
+        group._respawn_once = counted
+
+    def wait_for(self, rounds: int, bound_s: float) -> None:
+        """Until ``rounds`` more rounds have run to the end (bounded; the rounds that failed are named)."""
+        with self._cv:
+            target = self._done + rounds
+            ran = self._cv.wait_for(lambda: self._done >= target, bound_s)
+            assert ran, f"the respawner ran {rounds - (target - self._done)} of {rounds} rounds in {bound_s}s; " + (
+                f"failed rounds: {self._errors}"
+            )
 
 
 @pytest.fixture
@@ -86,7 +117,7 @@ def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
     assert time.monotonic() - t0 < 15
     assert group.respawns == [(1, 1)], group.respawns
     assert "agent-1-1" in named_actors(namespace) and "agent-1-0" not in named_actors(namespace)
-    time.sleep(3 * EVERY_S)  # a healthy replacement is not replaced again
+    RespawnerRounds(group).wait_for(3, 30)  # a healthy replacement is not replaced again: 3 rounds leave it be
     assert group.respawns == [(1, 1)] and view_of(group).epoch == back.epoch
 
 
@@ -104,8 +135,8 @@ def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
             time.sleep(0.02)
             continue
         seen.append(time.monotonic())
-        if next_incarnation % 2 == 0:
-            time.sleep(0.3)  # some die after registering (the supervisor sees them die), some before
+        if next_incarnation % 2 == 0:  # some die after registering (the supervisor sees them die), some before
+            until(lambda: registered(group, 1, next_incarnation), 15, f"agent-1-{next_incarnation} registered")  # noqa: B023
         ray.kill(agent, no_restart=True)
         next_incarnation += 1
     gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
@@ -122,8 +153,13 @@ def test_without_respawn_every_s_nothing_is_respawned(launched):
     namespace = group._config.namespace
     group.kill_agent(1)
     out = view_becomes(group, ALL4 - {1}, 15)
-    time.sleep(4.0)
-    assert view_of(group) == out
+    # the slice is one a respawner would bring back, but there is none, and the client's call on a loss does nothing
+    assert ray.get(group.supervisor.respawnable.remote(), timeout=30) == {1: 0}
+    assert group.respawn_every_s is None and group._respawner is None
+    group.respawn_now()
+    # the view would change (a new epoch) if anything brought the slice back: none within 4 s
+    after = ray.get(group.supervisor.wait_for_epoch.remote(out.epoch, 4.0), timeout=30)
+    assert after == out == view_of(group)
     assert group.respawns == [] and not any(n.startswith("agent-1-") for n in named_actors(namespace))
 
 
@@ -133,8 +169,10 @@ def test_a_slice_the_client_saw_fail_is_not_respawned(launched):
     namespace = group._config.namespace
     view = ray.get(group.supervisor.report_lost.remote([2], "test: its devices failed"), timeout=30)
     assert view.active == ALL4 - {2}, view
+    rounds = RespawnerRounds(group)
     group.kill_agent(2)
-    time.sleep(4 * EVERY_S)
+    until(lambda: "agent-2-0" not in named_actors(namespace), 15, "agent-2-0 dead (its name freed)")
+    rounds.wait_for(3, 30)  # rounds of the respawner after the death: none starts a new agent
     assert group.respawns == [] and view_of(group).active == ALL4 - {2}
     assert not any(n.startswith("agent-2-") for n in named_actors(namespace))
     assert ray.get(group.supervisor.respawnable.remote(), timeout=30) == {}

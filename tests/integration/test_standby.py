@@ -15,20 +15,9 @@ from .helpers import config
 pytestmark = pytest.mark.integration
 
 
-class CompileCounter:
-    def __init__(self) -> None:
-        self.events: list[float] = []
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
+def make_job(name: str, faults: Faults, marks: list, compiles: list[float], *, wait_standby_at: int | None):
+    """``compiles``: the ``compiles`` fixture (conftest), the backend compilations while the test runs."""
 
-    def _listen(self, name: str, secs: float, **kwargs) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
-            self.events.append(secs)
-
-
-COUNTER = CompileCounter()
-
-
-def make_job(name: str, faults: Faults, marks: list, *, wait_standby_at: int | None):
     def init(key):
         return {"w": jax.random.normal(key, (24, 16)), "b": jnp.zeros((16,))}
 
@@ -43,7 +32,7 @@ def make_job(name: str, faults: Faults, marks: list, *, wait_standby_at: int | N
             x = run.shard_batch(np.full((48, 24), (step + 1) / 100, np.float32))  # host data, as loaders give
             state = step_fn(state, x)
             run.commit(state)
-            marks.append((step, run.epoch, len(COUNTER.events)))
+            marks.append((step, run.epoch, len(compiles)))
             if step == wait_standby_at:
                 assert job.controller.wait_for_standbys(60)
         return state
@@ -52,9 +41,9 @@ def make_job(name: str, faults: Faults, marks: list, *, wait_standby_at: int | N
     return job, loop
 
 
-def test_recovery_with_standbys_ready_compiles_nothing(ray_local):
+def test_recovery_with_standbys_ready_compiles_nothing(ray_local, compiles):
     marks: list[tuple[int, int, int]] = []  # (step, epoch, compilations so far) at each commit
-    job, loop = make_job("standby-ready", Faults().kill_slice(2, at_step=8), marks, wait_standby_at=5)
+    job, loop = make_job("standby-ready", Faults().kill_slice(2, at_step=8), marks, compiles, wait_standby_at=5)
     with job:
         result = job.run(loop)
     r = result.report
@@ -68,9 +57,9 @@ def test_recovery_with_standbys_ready_compiles_nothing(ray_local):
     assert before[0] == 7 and after[2] - before[2] == 0, (before, after, marks)
 
 
-def test_recovery_before_standbys_are_ready_still_works(ray_local):
+def test_recovery_before_standbys_are_ready_still_works(ray_local, compiles):
     marks: list[tuple[int, int, int]] = []
-    job, loop = make_job("standby-missing", Faults().kill_slice(1, at_step=0), marks, wait_standby_at=None)
+    job, loop = make_job("standby-missing", Faults().kill_slice(1, at_step=0), marks, compiles, wait_standby_at=None)
     with job:
         result = job.run(loop)
     r = result.report

@@ -24,6 +24,7 @@ from elastic.supervision.agent import SliceAgent
 from elastic.supervision.membership import View
 from elastic.supervision.supervisor import SUPERVISOR_NAME, Supervisor
 
+from ..conftest import until
 from .helpers import config, ledger_job, silence
 
 pytestmark = pytest.mark.integration
@@ -31,16 +32,6 @@ pytestmark = pytest.mark.integration
 INTERVAL_S, TIMEOUT_S = 0.1, 1.0
 RESTART_BOUND_S = 60.0  # for Ray to restart a killed supervisor (a new process) on a loaded machine
 ALL4 = frozenset(range(4))
-
-
-def until(predicate: Callable[[], Any], bound_s: float, what: str) -> Any:
-    """Wait (bounded) for ``predicate`` to hold; return its value."""
-    deadline = time.monotonic() + bound_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {bound_s}s")
-        time.sleep(0.05)
-    return value
 
 
 def next_view(sup: Any, after: int, bound_s: float) -> View:
@@ -410,6 +401,8 @@ class LateAgent:
     async def lifeline(self, token: str | None = None) -> None:
         import asyncio
 
+        # a live agent's lifeline: the supervisor's call on it returns only when the agent dies (this actor is
+        # killed at the end of the test); a bound here would be a false death
         await asyncio.Event().wait()
 
     async def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:

@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 
+from ..conftest import fresh_cluster
 from .helpers import ledger_job
 
 pytestmark = pytest.mark.integration
@@ -36,14 +37,7 @@ def test_supervisor_restart_rebuilds_view_and_keeps_supervising(ray_local):
 
 def test_host_loss_on_a_real_ray_node():
     """A Ray node holding slice 3's agent is removed for real: the job shrinks and loses no step."""
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # leave the shared embedded cluster; this test runs its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        host = cluster.add_node(num_cpus=0)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with fresh_cluster(2, [{"num_cpus": 0}]) as (cluster, (host,)):
 
         def remove_host(step, metrics, run):
             if step == 5 and run.epoch == 1:
@@ -63,9 +57,6 @@ def test_host_loss_on_a_real_ray_node():
         lost = [e["cause"] for e in events if e["kind"] == "health" and e["slice"] == 3 and not e["healthy"]]
         # Ray may notice the dead node (the agent's lifeline fails) or the heartbeats stop first.
         assert lost and ("agent died" in lost[0] or "no heartbeat" in lost[0]), lost
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):

@@ -4,17 +4,21 @@ CLI arguments each end in a clear error or a clean refusal, never a crash, a han
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elastic import cli
 from elastic.cli import main
 from elastic.config import ElasticConfig, Policy
-from elastic.errors import ConfigError
+from elastic.errors import ConfigError, ElasticError
 from elastic.snapshot.errors import SnapshotCorruptError
 from elastic.snapshot.image import HostImage, LeafImage, Piece, checksum, meta_checksum
 from elastic.snapshot.seal import seal, sealed
@@ -38,19 +42,45 @@ anything = st.one_of(
 )
 
 
+small_ints = st.integers(-3, 12)
+
+
+def _counts_ok(value: object) -> bool:
+    """The documented range of num_slices, devices_per_slice, num_steps and min_slices: an int of at least 1."""
+    return type(value) is int and value >= 1
+
+
 @FAST
-@given(num_slices=anything, devices=anything, steps=anything, min_slices=anything)
-def test_config_is_built_or_refused_with_a_config_error(num_slices, devices, steps, min_slices):
+@given(
+    num_slices=small_ints | anything,
+    devices=small_ints | anything,
+    steps=small_ints | anything,
+    min_slices=small_ints | anything,
+)
+def test_config_is_built_valid_or_refused_naming_the_field(num_slices, devices, steps, min_slices):
+    """A config that builds holds what was given, in range, and builds again from its own fields; a refusal is a
+    ConfigError of one line that names the first field out of range (in the order they are checked)."""
+    given = {"num_slices": num_slices, "devices_per_slice": devices, "num_steps": steps}
+    first_bad = next(
+        (name for name, value in [("min_slices", min_slices), *given.items()] if not _counts_ok(value)),
+        "policy.min_slices" if _counts_ok(min_slices) and _counts_ok(num_slices) and min_slices > num_slices else None,
+    )
     try:
-        ElasticConfig(
-            simulated=True,
-            num_slices=num_slices,
-            devices_per_slice=devices,
-            num_steps=steps,
-            policy=Policy(min_slices=min_slices),
-        )
+        config = ElasticConfig(simulated=True, policy=Policy(min_slices=min_slices), **given)
     except ConfigError as err:
-        assert str(err)
+        message = str(err)
+        assert first_bad is not None, f"a valid config refused: {given}, min_slices={min_slices!r}: {message}"
+        assert message.startswith(f"{first_bad} must be" if first_bad != "policy.min_slices" else first_bad), (
+            first_bad,
+            message,
+        )
+        assert "\n" not in message
+    else:
+        assert first_bad is None, f"built although {first_bad} is out of range: {config}"
+        assert {name: getattr(config, name) for name in given} == given and config.policy.min_slices == min_slices
+        assert 1 <= config.policy.min_slices <= config.num_slices
+        assert config.device_counts == tuple(n * devices for n in range(min_slices, num_slices + 1))
+        assert dataclasses.replace(config) == config  # its own fields pass the checks again
 
 
 @FAST
@@ -160,20 +190,89 @@ WORDS = [
     "nan",
     "--bogus",
 ]
+# The offline commands, each with its options (those that take a value map to True): status, events and report
+# read --dir /nonexistent (no cluster), plan computes.
+COMMANDS = {
+    "status": {"--job": True, "--run": True, "--json": False, "-v": False, "--token-file": True},
+    "events": {"--job": True, "--run": True, "--json": False, "-v": False, "--kind": True, "--follow-for": True},
+    "report": {"--job": True, "--run": True, "--json": False, "-v": False, "--out": True},
+    "plan": {
+        "--chips": True,
+        "--slices": True,
+        "--chips-per-slice": True,
+        "--mtbf-hours-per-chip": True,
+        "--step-seconds": True,
+        "--snapshot-seconds": True,
+        "--restart-seconds": True,
+        "--seed": True,
+        "--json": False,
+    },
+}
+VALUES = ["1", "-1", "0", "2", "x", "", "nan", "inf", "-inf", "1e12", "/nonexistent", "view,health", "--json"]
 
 
-@settings(max_examples=80, deadline=None)
-@given(argv=st.lists(st.sampled_from(WORDS), max_size=7))
-def test_cli_arguments_end_in_a_status_never_a_crash(argv):
+@st.composite
+def command_lines(draw) -> list[str]:
+    """A command and a few of its options with odd values (or a bogus one): these get past the command word."""
+    command = draw(st.sampled_from(sorted(COMMANDS)))
+    argv = [command]
+    for option in draw(st.lists(st.sampled_from([*COMMANDS[command], "--bogus"]), max_size=5)):
+        argv.append(option)
+        if COMMANDS[command].get(option):
+            argv.append(draw(st.sampled_from(VALUES)))
+    if command == "plan":
+        argv += ["--horizon-failures", "100"]  # bounded: the default simulates 100,000 failures
+    return argv
+
+
+def _names_what_to_fix(message: str, argv: list[str]) -> bool:
+    """The message names an option or the command (as ``--flag`` or ``field_name``), or a value given (as is, or
+    quoted as argparse does)."""
+    flags = {w for w in argv if w.startswith("-")} | {f for c in COMMANDS.values() for f in c} | {"--dir"}
+    words = {w for w in argv if len(w) > 1 and not w.startswith("-")} | {repr(w) for w in argv} | flags
+    words |= {f.lstrip("-").replace("-", "_") for f in flags if len(f) > 2} | {"command"}
+    return any(w in message for w in words)
+
+
+@settings(max_examples=120, deadline=None)
+@given(argv=command_lines() | st.lists(st.sampled_from(WORDS), max_size=7))
+def test_cli_arguments_end_in_a_result_or_a_clean_refusal_never_a_crash(argv):
+    """0, or a clean refusal: exit 2 for a usage or configuration error, 1 for another of the project's errors
+    (ElasticError), each one line on stderr naming what to fix; an unexpected exception (main's ``unexpected``
+    path: the type's name and "run again with -v") or a traceback without -v is a crash."""
     if "--dir" not in argv:
         argv = [*argv, "--dir", "/nonexistent"]
     saved = os.environ.pop("RAY_ADDRESS", None)  # nothing here may start or join a cluster
+    reported: list[tuple[BaseException, int, bool]] = []  # what reached main's error path
+    real_fail = cli._fail
+
+    def fail(err: BaseException, code: int, verbose: bool, *, unexpected: bool = False) -> int:
+        reported.append((err, code, unexpected))
+        return real_fail(err, code, verbose, unexpected=unexpected)
+
+    err_out = io.StringIO()
     try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse: usage errors and --help
-        assert exit_.code in (0, 2)
-    else:
-        assert code in (0, 1, 2)
+        with mock.patch.object(cli, "_fail", fail), redirect_stderr(err_out), redirect_stdout(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # argparse: usage errors and --help
+                code = exit_.code
     finally:
         if saved is not None:
             os.environ["RAY_ADDRESS"] = saved
+    stderr = err_out.getvalue()
+    case = f"elastic {' '.join(map(repr, argv))} -> {code}: {stderr[-600:]!r}"
+    assert code in (0, 1, 2), case
+    assert not [e for e, _, unexpected in reported if unexpected], case  # main's path for a crash
+    assert "run again with -v for the traceback" not in stderr, case
+    assert "-v" in argv or "Traceback" not in stderr, case
+    if code == 0:
+        assert not reported, case
+        return
+    for error, status, _ in reported:  # the project's own errors, each with its status
+        assert isinstance(error, ElasticError), case
+        assert status == (2 if isinstance(error, ConfigError) else 1), case
+    errors = [line for line in stderr.splitlines() if line.startswith("elastic") and ": error: " in line]
+    assert len(errors) == 1, case  # one line says what is wrong ...
+    message = errors[0].split(": error: ", 1)[1]
+    assert message.strip() and _names_what_to_fix(message, argv), case  # ... and what to fix

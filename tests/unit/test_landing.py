@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 from elastic.runtime import LAND, StandbyCompiler, land, land_args, landing, landing_pays, owned, refusal
 from elastic.snapshot import SnapshotConfig, Snapshotter
 
+from ..conftest import compile_events
+
 
 def _mesh(devices: list) -> Mesh:
     return Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("replica", "local"))
@@ -196,21 +198,12 @@ def test_a_landing_onto_a_standby_mesh_compiles_nothing() -> None:
     finally:
         standby.close()
     target = _abstract(old, survivors)
-    compiles: list[str] = []
-
-    def listen(name: str, secs: float, **kwargs: object) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compile_events() as compiles:
         dst = landing(old, target)
         assert dst is not None
         landed = land(dst, _state(survivors, seed=9))
         assert landed is not None
         jax.block_until_ready(landed)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
 
 

@@ -14,11 +14,6 @@ from jax.sharding import PartitionSpec as P
 from elastic.loop import markers
 from elastic.loop.markers import StepMarkers
 
-_COMPILES: list[float] = []  # every backend compile in this process, from the import on
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **kw: _COMPILES.append(secs) if name == "/jax/core/compile/backend_compile_duration" else None
-)
-
 
 def _mesh(devices) -> Mesh:
     return Mesh(np.array(devices).reshape(len(devices)), ("d",))
@@ -75,7 +70,7 @@ def test_no_marker_where_the_metrics_hold_an_array_or_the_step_is_computed():
     jax.block_until_ready(busy)
 
 
-def test_the_marker_program_is_compiled_ahead_for_every_local_device():
+def test_the_marker_program_is_compiled_ahead_for_every_local_device(compiles):
     mesh = _mesh(jax.devices()[:2])
     state = _state(mesh)
     jax.block_until_ready(state)
@@ -84,11 +79,11 @@ def test_the_marker_program_is_compiled_ahead_for_every_local_device():
     StepMarkers().mark(busy, {})
     gate.set()
     assert markers.wait_warm(60)
-    before = len(_COMPILES)
+    before = len(compiles)
     other = jax.devices()[7]  # a device outside the marked mesh: a pass after a recovery or a grow
     x = jax.device_put(jnp.zeros((), jnp.int32), other)
     jax.block_until_ready(markers._tap(x))
-    assert _COMPILES[before:] == []
+    assert compiles[before:] == []
 
 
 def test_the_step_s_other_output_marks_it_without_a_program_of_its_own(monkeypatch):

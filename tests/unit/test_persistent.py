@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from elastic.snapshot.errors import NoSnapshotError, SnapshotError, SnapshotStructureError
 from elastic.snapshot.persistent import PersistentDirectoryError, PersistentTier
 
+from ..conftest import bounded, compile_events
+
 SPECS = {
     "w": P("replica", "local"),
     "r": P(),
@@ -90,7 +92,7 @@ def saved(tmp_path_factory):
     state = make_state(grid_mesh(4, 2))
     tier = PersistentTier(directory, every=5, job="job-a")
     assert tier.save(10, state, META) is True
-    tier.wait()
+    bounded(tier.wait, 120, "PersistentTier.wait (the started saves durable)")
     stats = tier.stats()
     tier.close()
     return directory, state, stats
@@ -123,7 +125,7 @@ def test_keeps_the_newest_steps_and_never_overwrites(tmp_path):
         started = [tier.save(s, make_state(mesh, seed=s), {"step": s}) for s in range(10, 31) if tier.due(s)]
         assert started == [True, True, True]
         assert tier.save(30, make_state(mesh), {}) is False  # already saved: skipped, not overwritten
-        tier.wait()
+        bounded(tier.wait, 120, "PersistentTier.wait (the started saves durable)")
         assert tier.latest_step() == 30
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["20", "30"]
         step, _, meta = tier.load(abstract_on(mesh, make_state(mesh)), step=20)
@@ -139,7 +141,7 @@ def test_same_job_resumes_after_the_old_checkpoints(saved, tmp_path):
         assert tier.latest_step() == 10
         assert tier.save(10, state, {}) is False
         assert tier.save(15, state, {"step": 15}) is True
-        tier.wait()
+        bounded(tier.wait, 120, "PersistentTier.wait (the started saves durable)")
     assert sorted(p.name for p in copy.iterdir() if p.name.isdigit()) == ["15"]
     with PersistentTier(copy, every=5, job="job-a") as again:
         assert again.latest_step() == 15
@@ -208,18 +210,9 @@ def test_first_save_on_a_new_mesh_compiles_nothing_and_keeps_the_key_impl(tmp_pa
     state = make_state(mesh, seed=3)
     state["keys"] = jax.device_put(jax.random.split(jax.random.key(3, impl="rbg"), 24), state["keys"].sharding)
     jax.block_until_ready(state)
-    compiles = []
-
-    def on_event(event: str, seconds: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
     with PersistentTier(tmp_path, every=1, job="j") as tier:
-        jax.monitoring.register_event_duration_secs_listener(on_event)
-        try:
+        with compile_events() as compiles:
             tier.save(1, state, {})
-        finally:
-            jax.monitoring.unregister_event_duration_listener(on_event)
         assert compiles == []
         _, restored, _ = tier.load(abstract_on(grid_mesh(4, 2), state))
     assert str(jax.random.key_impl(restored["keys"])) == "rbg"

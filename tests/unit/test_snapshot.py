@@ -161,7 +161,7 @@ def make():
 
 def saved(snap: Snapshotter, step: int, state, meta=None) -> None:
     snap.save(step, state, meta)
-    snap.wait()
+    snap.wait(60)
 
 
 # -- 1. every kind of leaf, bit for bit -----------------------------------------------------
@@ -468,9 +468,9 @@ def test_failed_save_keeps_the_previous_generation(make, engine, nth):
     guard.arm(nth)
     snap.save(2, make_state(seed=2), {"at": 2})
     with pytest.raises(SnapshotFailedError) as info:
-        snap.wait()
+        snap.wait(60)
     assert info.value.step == 2 and "JaxRuntimeError" in info.value.cause
-    snap.wait()  # raised once only
+    snap.wait(60)  # raised once only
     stats = snap.stats()
     assert (stats["snapshots_failed"], stats["snapshots_taken"], stats["snapshots_dropped"]) == (1, 1, 0)
     assert snap.steps == (1,)
@@ -512,7 +512,7 @@ def test_failed_save_leaves_nothing_writing_into_reused_buffers(make):
     phase["now"] = "fail"
     snap.save(3, {"a": put(3), "b": put(3)})
     with pytest.raises(SnapshotFailedError):
-        snap.wait()
+        snap.wait(60)
     phase["now"] = "next"
     saved(snap, 4, {"a": put(4), "b": put(4)})
     phase["now"] = "done"
@@ -530,7 +530,7 @@ def test_burst_of_saves_is_accounted(make, on_busy):
     states = [make_state(seed=s) for s in range(3)]
     for step in range(1, 25):
         snap.save(step, states[step % 3], {"at": step})
-    snap.wait()
+    snap.wait(60)
     stats = snap.stats()
     assert stats["snapshots_requested"] == 24
     assert stats["snapshots_dropped"] == 0
@@ -575,7 +575,7 @@ def test_donating_the_state_right_after_save(make, engine):
     state = step(state)
     jax.block_until_ready(state)
     stepped.set()
-    snap.wait()
+    snap.wait(60)
     restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
     assert_same(restored.state, expected)
 
@@ -614,7 +614,7 @@ def test_save_returns_before_the_state_is_computed_and_the_snapshot_survives_its
         state = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.0 - 7.0, s), donate_argnums=0)(state)
         jax.block_until_ready(state)
         donated.set()
-        snap.wait()
+        snap.wait(60)
         restored = snap.load(shardings_on(MESH8, {"w": SPECS["w"], "r": P()}))
         assert returned_early, f"save {step} waited for the step it saves"
         assert restored.step == step
@@ -737,7 +737,7 @@ def test_a_slice_lost_mid_snapshot_leaves_a_usable_snapshot_on_the_survivors(mak
     runtime.simulated.kill_slice(topo.slice(1))
     state = make_state(seed=2)
     snap.save(2, state, {"at": 2})
-    snap.wait()  # no failure
+    snap.wait(60)  # no failure
     assert snap.steps == (1, 2)
     newest = snap._generations[-1]
     assert all(c.slice != 1 for leaf in newest.leaves for p in leaf.pieces for c in p.copies)
@@ -813,7 +813,7 @@ def test_a_snapshot_in_flight_is_restored_from_its_staged_shards_without_waiting
         s.data.unsafe_buffer_pointer() for s in state2["w"].addressable_shards if s.device.id in (0, 1, 4, 5, 6, 7)
     }
     assert _pointers({"w": restored.state["w"]}) & source  # some survivors kept their own shard: nothing moved
-    snap.wait()
+    snap.wait(60)
     stats = snap.stats()
     assert stats["snapshots_abandoned"] == 1 and stats["snapshots_dropped"] == 0
     assert snap.steps == (1,)  # the abandoned copy published nothing

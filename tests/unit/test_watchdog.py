@@ -114,7 +114,7 @@ def test_probe_of_a_wedged_device_is_bounded(topo):
     mesh = Mesh(np.array(devices), ("d",))
 
     def stuck(x):
-        token = io_callback(lambda t: (release.wait(), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        token = io_callback(lambda t: (release.wait(120), t)[1], jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
         return jax.lax.optimization_barrier((token, x))[1]
 
     x = jax.device_put(jnp.ones((8,)), NamedSharding(mesh, P("d")))
