@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from elastic.runtime.classify import FailureKind, classify_failure, is_recoverable, is_slice_loss
+from elastic.runtime.faults import DeviceUnavailableError, TransientUnavailableError
 from elastic.runtime.guard import StepHungError
 
 Jre = jax.errors.JaxRuntimeError
@@ -29,6 +30,9 @@ CASES = [
     ("internal-slice-down", Jre("INTERNAL: slice 3 is down"), LOSS),
     ("prefixed-type-name", Jre("jaxlib.xla_extension.XlaRuntimeError: UNAVAILABLE: devices unreachable"), LOSS),
     ("leading-whitespace", Jre("  DATA_LOSS: lost shard"), LOSS),
+    # The runtime's own: a simulated slice's device failure and an injected transient, read as a real UNAVAILABLE.
+    ("simulated-device", DeviceUnavailableError("UNAVAILABLE: simulated slice 2 failed"), LOSS),
+    ("injected-transient", TransientUnavailableError("UNAVAILABLE: injected transient failure at step 3"), LOSS),
     # A step that made no progress within step_timeout_s (the step watchdog): recovered, but not a slice loss.
     ("step-hung", StepHungError("step 12", 30.0, pending=3, total=3), HUNG),
     # Not a slice loss: bugs, bad input, memory.
