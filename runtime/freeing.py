@@ -3,8 +3,8 @@
 Freeing a jax array frees a few small host allocations even when its device buffer was donated, and ``free``
 takes the lock of the allocator arena the allocation came from. The runtime's own threads (on CPU, the
 devices') hold that lock while they hand large buffers back to the system, so a loop thread that drops a
-donated state can wait tens of milliseconds for an arena lock (measured here: 14-47 ms at 9 steps of 28 on a
-2-core machine). :func:`release` hands such a reference to one daemon thread that drops it instead.
+donated state can wait tens of milliseconds for an arena lock on a machine of few cores. :func:`release` hands such a
+reference to one daemon thread that drops it instead.
 
 Contract. ``release(obj)`` hands ``obj`` over only when its live arrays (jax arrays not deleted or donated,
 numpy arrays) hold at most ``SMALL`` bytes; a reference that holds more is left to the caller, so device and

@@ -1,8 +1,8 @@
 """Landing a restored state in the buffers of the state it replaces.
 
 After a slice loss the survivors still hold the state that was live when it came (dropped, since it is not the
-snapshot's step). On the CPU backend a fresh buffer costs its page faults: measured here, 16 MiB device buffers
-filled at 1.5-3.5 GB/s when freshly allocated against 8-11 GB/s into memory already mapped. So a restore there
+snapshot's step). On the CPU backend a fresh buffer costs its page faults: a freshly allocated device buffer
+fills several times slower than memory already mapped. So a restore there
 wraps the snapshot's bytes without a copy (``Snapshotter.load(borrow=True)``) and copies them, in one compiled
 program per mesh, into the dropped state's survivor buffers, which it donates: the restore runs at memory speed
 and allocates nothing. A shard the restore kept in place (a survivor's own buffer of the snapshot's step,
@@ -164,7 +164,7 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
 class Landed(NamedTuple):
     """What :func:`land` made: the ``state``, and the ``spare`` buffers of the dropped state it did not need (those
     under the shards kept in place), to free off the recovery's path (freeing them beside the first step on the new
-    mesh slowed it by 10-25 ms here)."""
+    mesh slows it)."""
 
     state: Any
     spare: list[jax.Array]

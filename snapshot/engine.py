@@ -3,11 +3,11 @@
 ``HostEngine`` serves backends whose device memory already is host memory (CPU): it takes a
 zero-copy view of a computed shard on the training thread (which also keeps the buffer from being
 donated while the copy runs), or, for a shard still being computed, dispatches a device-side copy behind the
-computation (one compiled call per device, compiled on the copy thread after the first save of a layout, which
-takes a ``device_put`` into ``pinned_host`` instead: such a ``device_put`` held the calling thread for 10-100 ms in
-one call of three on CPU, a compiled copy returns in 0.1 ms); it copies that with numpy into a reused, aligned
-buffer on a background thread, and hands the buffer to jax as a ``pinned_host`` array of the
-destination device (zero-copy on CPU). Neither waits for compute on the training thread.
+computation (one compiled call per device, compiled on the copy thread after the first save of a layout, which takes a
+``device_put`` into ``pinned_host`` instead: such a ``device_put`` often holds the calling thread for milliseconds to a
+hundred on CPU, where a compiled copy returns at once); it copies that with numpy into a reused, aligned buffer on a
+background thread, and hands the buffer to jax as a ``pinned_host`` array of the destination device (zero-copy on
+CPU). Neither waits for compute on the training thread.
 ``DeviceEngine`` serves accelerators: the training thread dispatches an asynchronous
 ``device_put`` into the destination device's ``pinned_host`` memory (the runtime orders it before any
 later donation) and a device-side checksum; nothing crosses into the client process.

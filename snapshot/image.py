@@ -47,7 +47,7 @@ Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the stored
 
 
 def checksum(data: np.ndarray) -> int:
-    """A 64-bit content hash of ``data``'s bytes (xxh3; ~9 GB/s here, releases the GIL)."""
+    """A 64-bit content hash of ``data``'s bytes (xxh3, several GB/s a core; releases the GIL)."""
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
 
 
@@ -131,11 +131,11 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     """An uninitialised array whose data is ``align``-byte aligned (jax on CPU then adopts it without a copy).
 
     One of ``POPULATE_FROM`` bytes or more is mapped on its own, its pages put in place in one call instead of one
-    fault per 4 KiB page at the first write. Measured here (a virtual machine, where each first touch of a page
-    exits to the host), a first copy of 200 MiB into fresh pages ran at 0.41 GB/s, into a populated mapping at
-    2.7 GB/s (the mapping included): a snapshot's first generations write into fresh buffers. The pages are put
-    in place by ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases the GIL (7 ms per 26 MiB
-    here, during which the training loop's thread would otherwise wait); ``MAP_POPULATE``, under the GIL, where
+    fault per 4 KiB page at the first write. On a virtual machine, where each first touch of a
+    page exits to the host, a first copy into fresh pages runs several times slower than into a populated mapping
+    (the mapping included): a snapshot's first generations write into fresh buffers. The pages are put
+    in place by ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases the GIL (milliseconds per
+    buffer, during which the training loop's thread would otherwise wait); ``MAP_POPULATE``, under the GIL, where
     that is not available."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     populate = getattr(mmap, "MAP_POPULATE", 0)

@@ -9,8 +9,8 @@ Typed PRNG keys (``jax.random.key``) are saved natively by Orbax 0.12.8 (key dat
 layout records the key dtype (``key<fry>``) so a target of another impl is refused, not silently cast.
 
 Orbax's replica-parallel saving (its default off GPU) is turned off: it slices replicated shards with a
-jitted ``slice`` per device, which blocked the first ``save`` on every new mesh for 2-5 s (64 MiB, 8 CPU
-devices) against ~0.1 s without it. The price: one replica of each shard writes it all.
+jitted ``slice`` per device, which blocked the first ``save`` on every new mesh for seconds, an order of
+magnitude longer than without it. The price: one replica of each shard writes it all.
 """
 
 from __future__ import annotations

@@ -171,7 +171,8 @@ class Snapshotter:
         # Release the views (the state's buffers can be donated again), but keep the shards they viewed until the
         # next generation is copied: the views kept the next step from donating them, and the loop drops its state
         # a step or two later; whoever drops the last reference frees them, and here that is this thread, as this
-        # assignment drops the previous generation's (freeing 420 MB of them had held the loop's thread 87-199 ms).
+        # assignment drops the previous generation's (freeing hundreds of MB of them on the loop's thread held it
+        # for about a step).
         self._retired = [a for leaf in req.sources for piece in leaf for _, _, a in piece]
         req.staged, req.sources = [], []
         gen = req.completed(records, slot)

@@ -3,8 +3,8 @@
 ``ClientEvents(stream, tiers).attach(accounting)`` passes every timeline event on as a ``timeline`` record
 and, after commits, writes a ``progress`` record (step, steps per second since the last one, slices, epoch,
 the newest complete snapshot and its deepest tier) at most every ``every_s`` seconds, and at once when the
-slices change. Each is written behind the caller, in order (``EventStream.append_behind``: under load a GCS
-round trip took 15-30 ms here, and the recovery path adds several records); ``flush`` waits for them. A failed
+slices change. Each is written behind the caller, in order (``EventStream.append_behind``: a GCS round
+trip grows under load, and the recovery path adds several records); ``flush`` waits for them. A failed
 write is counted by the stream, never raised.
 """
 

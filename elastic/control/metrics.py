@@ -163,8 +163,8 @@ class JobMetrics:
 
     @_never_raises
     def on_commit(self, step: int, view: View) -> None:
-        """Counted here, on the loop's thread, and passed to Ray by the refresher (``_flush``): each Ray metric
-        call took 20-50 us on the loop's thread while the devices computed, five of them per step."""
+        """Counted here, on the loop's thread, and passed to Ray by the refresher (``_flush``): a Ray metric
+        call costs the loop's thread tens of microseconds, five of them per step."""
         now = self._clock()
         if step > self._high:
             self._high = step

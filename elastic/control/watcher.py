@@ -33,7 +33,7 @@ __all__ = ["ViewWatcher", "supervisor_lost_after_s", "LOST_AFTER_S"]
 def supervisor_lost_after_s(config: ElasticConfig) -> float:
     """How long a supervisor may stay silent before the job counts it gone for good: 5 heartbeat timeouts, at
     least 60 s. Silence is what a restart looks like (Ray starts a new process, which replays its log): on a loaded
-    2-core machine that took 7 s to the new actor's first breath here and more than 22 s to its first answer in CI.
+    small machine that takes seconds to the new actor's first breath and tens of seconds to its first answer.
     A supervisor Ray reports dead is not waited for (see :class:`ViewWatcher`)."""
     return max(5 * config.heartbeat_timeout_s, 60.0)
 

@@ -2,10 +2,10 @@
 
 Each region is cut from the pieces held in this process (its own snapshot, the buddy copies it holds) when
 they cover it, and asked of the peers (or the keepers) only when they do not: what crosses between processes is
-what this worker does not hold. Every device receives a buffer the runtime owns (never a view of a snapshot, so
-the first step may donate it: measured here, adopting the host bytes without a copy made the restore cheaper by as
-much as it made the first step dearer, which then allocates its outputs). Typed PRNG keys travel as their key data
-and are wrapped back.
+what this worker does not hold. Every device receives a buffer the runtime owns (never a view of a snapshot, so the
+first step may donate it: adopting the host bytes without a copy makes the restore cheaper by about as much as it makes
+the first step dearer, which then allocates its outputs; see docs/benchmarks.md). Typed PRNG keys travel as their key
+data and are wrapped back.
 """
 
 from __future__ import annotations

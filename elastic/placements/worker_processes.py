@@ -53,7 +53,7 @@ class WorkerProcesses:
     def actor_options(self) -> dict[str, Any]:
         """Ray options that place a process of this job (a worker, or a standby helper). No ``runtime_env``: a
         process sets its environment up itself (:func:`runtime.distributed.setup_process`), so Ray may hand it one
-        of its idle processes instead of starting one per environment (1.2 s saved of each worker's start here).
+        of its idle processes instead of starting one per environment (a second or more of each worker's start).
         Only a worker on a cluster that starts them niced asks for one (:data:`NORMAL_PRIORITY`)."""
         assert self._config.processes is not None
         return {**self._config.processes.worker_options(), "max_restarts": 0}

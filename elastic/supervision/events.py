@@ -138,7 +138,7 @@ class EventStream:
 
     def append_soon(self, kind: str, **fields: Any) -> tuple[dict[str, Any], Future[None]]:
         """The record, and its write already started on this stream's writer threads: several records written
-        at once take one round trip to the GCS, not one each (under load a round trip took 15-30 ms here). Each
+        at once take one round trip to the GCS, not one each (a round trip grows under load). Each
         has its own ``seq``, so readers order them whatever order they land in."""
         record, write = self.prepare(kind, **fields)
         with self._lock:
