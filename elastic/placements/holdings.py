@@ -7,7 +7,8 @@ group), and every ``keeper_every``-th to the job's keepers as this worker's part
 ends, the snapshotter is closed and its generations are kept as host images (its own buffers, no copy), so they
 outlive the group's devices. What a worker holds is told by step (:meth:`Holdings.held`): for each leaf, the
 regions held here and every region the leaf had on its mesh, so the driver can tell whether the survivors hold a
-whole step between them (:func:`common_step`), and any region of it is cut from the pieces here (:meth:`find`).
+whole step between them (:func:`elastic.control.sources.common_step`), and any region of it is cut from the
+pieces here (:meth:`find`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from elastic.snapshot import HostImage, SnapshotConfig, SnapshotInfo, Snapshotte
 from elastic.snapshot.errors import SnapshotStructureError
 from elastic.snapshot.image import Index, assemble, meta_checksum
 
-__all__ = ["Holdings", "common_step", "holders_of", "regions_of", "select"]
+__all__ = ["Holdings", "holders_of", "regions_of", "select"]
 
 Send = Callable[[HostImage], None]
 
@@ -269,22 +270,3 @@ class Holdings:
 def _trim(generations: dict[int, HostImage], keep: int) -> None:
     for step in sorted(generations)[:-keep]:
         del generations[step]
-
-
-def common_step(helds: Sequence[dict[int, dict[str, Any]]], *, own_required: bool = True) -> int | None:
-    """The newest step whose whole state the given workers hold between them (each ``held()``), with every one of
-    them holding its own generation of it (``own_required``: each knows the ledger there); None if none."""
-    if not helds:
-        return None
-    steps = set.intersection(*({s for s, h in held.items() if h["own"] or not own_required} for held in helds))
-    for step in sorted(steps, reverse=True):
-        regions = next((h[step]["regions"] for h in helds if step in h and h[step]["regions"]), None)
-        if regions is None:
-            continue
-        have = [
-            set().union(*(map(tuple, held[step]["held"][i]) for held in helds if step in held))
-            for i in range(len(regions))
-        ]
-        if all({tuple(r) for r in regions[i]} <= have[i] for i in range(len(regions))):
-            return step
-    return None

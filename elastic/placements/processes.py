@@ -7,11 +7,10 @@ members what host snapshots they hold and picks the source: the newest step the 
 own shards and the buddy copies of the lost ones: the memory tier), else the keepers' newest whole step, else the
 newest Orbax checkpoint, else a fresh start (never silently from step 0 once something was committed). Then every
 member joins the new group in place (same processes) and restores its own regions. A pass is watched (bounded)
-by :mod:`elastic.placements.pass_watch`; the source is chosen by :mod:`elastic.placements.group_source`, the
-workers reached through :class:`~elastic.placements.members.Members`. When the supervisor's view changes during
-a pass (a new process for a lost slice registered), the group stops at a step boundary a few steps ahead,
-snapshots there, and re-forms with the new member. The workers are the slices' agents: the supervisor sees their
-death.
+by :mod:`elastic.placements.pass_watch`; the source is chosen by :func:`elastic.control.sources.group_source`, the
+workers reached through :class:`~elastic.placements.members.Members`. When the supervisor's view changes during a pass
+(a new process for a lost slice registered), the group stops at a step boundary a few steps ahead, snapshots there, and
+re-forms with the new member. The workers are the slices' agents: the supervisor sees their death.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ from elastic.control.accounting import Accounting
 from elastic.control.cluster import ActorGroup
 from elastic.control.placement import PassEnd, Placed, PlacementHost, PrepareHook
 from elastic.control.report import PlacementFigures
-from elastic.control.sources import Source
+from elastic.control.sources import Source, group_source
 from elastic.log import get_logger
 from elastic.placements.final_state import assemble_final
-from elastic.placements.group_source import group_source
 from elastic.placements.members import Members, restarted
 from elastic.placements.outcome import Joined
 from elastic.placements.pass_watch import Passes, PassWatch

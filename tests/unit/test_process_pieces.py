@@ -15,8 +15,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from elastic import runtime
 from elastic.config import ElasticConfig, Processes
+from elastic.control.sources import common_step
 from elastic.errors import ConfigError
-from elastic.placements.holdings import Holdings, common_step, regions_of
+from elastic.placements.holdings import Holdings, regions_of
 from elastic.placements.processes import restarted
 from elastic.placements.restore import layout_of, restore_state
 from elastic.snapshot import HostImage
