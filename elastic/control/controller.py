@@ -6,9 +6,10 @@ process per slice) and account for what it reports. A slice-loss error or a hung
 (``runtime.StepHungError``: the step watchdog, ``config.step_timeout_s``) raised while an executor runs
 becomes a ``Failed`` event; any other error ends the job as it is.
 
-The failure path reads in three files: detection (the placement's errors, the supervisor's view through
-:mod:`elastic.control.watcher`), decision (:func:`elastic.supervision.policy.decide` and the transition
-table), action (the executors below, and the placement's ``prepare``).
+A failure's path, file by file for each mode, is in ``docs/architecture.md`` ("The failure path"): the
+placement raises (or, in multi-process mode, ``placements/pass_watch.py`` maps a worker's typed ending to one
+error), this module classifies it once, :mod:`elastic.control.transitions` answers, and the placement's
+``prepare`` restores from the source :func:`elastic.control.sources.choose_source` picks.
 """
 
 from __future__ import annotations
