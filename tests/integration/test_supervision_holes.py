@@ -31,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 INTERVAL_S, TIMEOUT_S = 0.1, 1.0
 RESTART_BOUND_S = 60.0  # for Ray to restart a killed supervisor (a new process) on a loaded machine
+LIFELINE_BOUND_S = 3600.0  # a fake live agent's lifeline call: longer than any test may run
 ALL4 = frozenset(range(4))
 
 
@@ -402,8 +403,8 @@ class LateAgent:
         import asyncio
 
         # a live agent's lifeline: the supervisor's call on it returns only when the agent dies (this actor is
-        # killed at the end of the test); a bound here would be a false death
-        await asyncio.Event().wait()
+        # killed at the end of the test); its bound is longer than any test may run (pytest-timeout ends it first)
+        await asyncio.sleep(LIFELINE_BOUND_S)
 
     async def alive(self, slice_index: int | None = None, token: str | None = None) -> bool:
         return True
