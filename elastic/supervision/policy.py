@@ -209,10 +209,10 @@ def decide(
     would remain: the job keeps them until they go, and the failure path takes over then. ``renewed``: active
     slices whose agent is not the one they had when ``view`` was published (a lost member replaced before a view
     could drop it); where the answer would be :class:`Stay`, it is a :class:`Grow` over the same slices, so that
-    the job re-forms with the new agent.
+    the job re-forms with the new agent (not once the view gave up: that view stays).
     """
     decision = _judge(view, history, now, policy, coming, leaving)
-    if isinstance(decision, Stay) and renewed:
+    if isinstance(decision, Stay) and renewed and view.gave_up is None:  # a job that gave up stays given up
         return Grow(to=view.active, reason=f"slice(s) {_names(renewed)}: a new agent replaces the lost one")
     return decision
 

@@ -505,6 +505,9 @@ def test_decide_with_slices_leaving(policy, view, history, leaving, kind, fields
         pytest.param(
             View(epoch=1, active=frozenset({0, 1})), up(0.0, 0, 1, 2), {1}, Grow, frozenset({0, 1, 2}), id="a-grow-wins"
         ),
+        pytest.param(
+            View(epoch=3, active=ALL4, gave_up="too few"), up(0.0, 0, 1, 2, 3), {2}, Stay, None, id="gave-up-stays"
+        ),
     ],
 )
 def test_a_renewed_member_turns_a_stay_into_a_grow_over_the_same_slices(view, history, renewed, kind, to):
