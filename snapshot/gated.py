@@ -9,8 +9,9 @@ no handle offers it and no task can run it. Each public method must take ``token
 call without the credential); a class with an ungated public method is refused at import.
 
 Ray adds three methods of its own to every actor class. ``__ray_call__`` would run any caller's function inside the
-actor (its state, its credentials' digests, the images it holds): a gated class brings its own, which refuses every
-call (:class:`ActorAccessError`), so that no code from outside ever runs in a job's actor. ``__ray_ready__`` (True)
+actor (its state, its call keys, the images it holds): a gated class brings its own, which refuses every call
+(:class:`ActorAccessError`): no method of a job's actor runs a caller's function (Ray's unpickling of a call's
+arguments is another way in, outside what the job promises: ``docs/guides/operating.md``). ``__ray_ready__`` (True)
 and ``__ray_terminate__`` (ends the actor, as ``ray.kill`` by any handle's holder would) stay as Ray defines them.
 """
 

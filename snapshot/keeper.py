@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import numpy as np
 import ray
 import structlog
 
+from .calls import Signed, call_key
 from .image import HostImage, Index
 from .keeper_actor import Keeper
 from .keeper_place import create_keeper, keepers_for, placements
@@ -65,6 +65,7 @@ class KeeperTier:
         self.namespace, self._num, self._keep, self._every = namespace, num_keepers, keep, every
         self._avoid_node, self._timeout_s = avoid_node, timeout_s
         self._credential, self._image_key, self._on_refused = credential, image_key, on_refused
+        self._call_key = None if credential is None else call_key(credential)
         # Never a keeper found by its name alone: ``adopt(name)`` returns the job's own keeper of that name (its
         # identity checked by the caller, before any call on it) or None; ``created(name, handle)`` records one
         # created here. Without ``adopt``, a name held already is refused.
@@ -84,6 +85,10 @@ class KeeperTier:
             "keeper_skipped": 0,
         }
 
+    def _signed(self, keeper: Any) -> Any:
+        """``keeper`` with each call signed under the job's keeper credential (as it is, without one)."""
+        return keeper if self._call_key is None else Signed.under(keeper, self._call_key)
+
     def start(self, *, wait: bool = True) -> KeeperTier:
         """Create the keepers (or adopt the job's own, through ``adopt``), on other nodes than ``avoid_node`` where
         the cluster has any.
@@ -98,7 +103,7 @@ class KeeperTier:
         """
         avoid = self._avoid_node or ray.get_runtime_context().get_node_id()
         nodes = placements(self._num, avoid)
-        access = None if self._credential is None else hashlib.sha256(self._credential.encode()).hexdigest()
+        access = self._call_key
         for i, node in enumerate(nodes):
             name = f"{PREFIX}{i}"
             handle = self._adopt(name) if self._adopt is not None else None
@@ -180,7 +185,7 @@ class KeeperTier:
             return
         ref = ray.put(image)
         for name, result in self._collect(
-            {n: k.put_part.remote(ref, part, token=self._credential) for n, k in calls.items()}, self._timeout_s
+            {n: self._signed(k).put_part.remote(ref, part) for n, k in calls.items()}, self._timeout_s
         ).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
@@ -201,14 +206,14 @@ class KeeperTier:
         keeper = self._keepers.get(name)
         if keeper is None:
             return None
-        got = self._collect({name: keeper.region.remote(step, leaf, index, token=self._credential)}, timeout)[name]
+        got = self._collect({name: self._signed(keeper).region.remote(step, leaf, index)}, timeout)[name]
         return got if isinstance(got, np.ndarray) else None
 
     def part_meta(self, name: str, step: int, timeout: float = 60.0) -> dict[str, Any] | None:
         keeper = self._keepers.get(name)
         if keeper is None:
             return None
-        got = self._collect({name: keeper.part_meta.remote(step, token=self._credential)}, timeout)[name]
+        got = self._collect({name: self._signed(keeper).part_meta.remote(step)}, timeout)[name]
         return got if isinstance(got, dict) else None
 
     def push(self, image: HostImage) -> bool:
@@ -277,7 +282,7 @@ class KeeperTier:
                 log.warning("keeper_none_left", namespace=self.namespace, step=step)
             self._none_left = True
             return
-        calls = {name: k.put.remote(ref, token=self._credential) for name, k in calls.items()}
+        calls = {name: self._signed(k).put.remote(ref) for name, k in calls.items()}
         for name, result in self._collect(calls, self._timeout_s).items():
             if isinstance(result, Exception):
                 self._count("keeper_push_failures")
@@ -290,7 +295,7 @@ class KeeperTier:
 
     def _ask_all(self, method: str, timeout: float) -> dict[str, Any]:
         """Every live keeper's answer to ``method`` (no arguments but the credential), as :meth:`_collect` gives it."""
-        calls = {n: getattr(k, method).remote(token=self._credential) for n, k in dict(self._keepers).items()}
+        calls = {n: getattr(self._signed(k), method).remote() for n, k in dict(self._keepers).items()}
         return self._collect(calls, timeout)
 
     def _collect(self, calls: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -323,7 +328,7 @@ class KeeperTier:
             if (best is not None and best.step >= top) or name not in self._keepers:
                 continue
             got = self._collect(
-                {name: self._keepers[name].latest.remote(token=self._credential)}, max(0.0, deadline - time.monotonic())
+                {name: self._signed(self._keepers[name]).latest.remote()}, max(0.0, deadline - time.monotonic())
             )
             image = got[name]
             if isinstance(image, HostImage) and self._image_key is not None and not sealed(image, self._image_key):

@@ -2,15 +2,14 @@
 
 Each :class:`Keeper` holds the newest ``keep`` images of one job in its own memory (private copies, so the images
 survive the process that sent them), whole or as parts (one per worker process in multi-process mode), and answers
-only calls carrying its job's keeper credential (it keeps the SHA-256 digest given at creation; ``None``: an open
-keeper, for tests and tools). :class:`~snapshot.keeper.KeeperTier` creates, feeds and reads them.
+only calls signed with its job's keeper credential, each once (it keeps the credential's call key given at
+creation, :mod:`snapshot.calls`; ``None``: an open keeper, for tests and tools).
+:class:`~snapshot.keeper.KeeperTier` creates, feeds and reads them.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import hmac
 import threading
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 import ray
 import structlog
 
+from .calls import CallCheck
 from .errors import KeeperAccessError, SnapshotCorruptError, SnapshotStructureError
 from .gated import gated_actor
 from .image import HostImage, Index, assemble
@@ -40,7 +40,7 @@ class Keeper:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self._keep = keep
-        self._access = access  # SHA-256 hex digest of the job's keeper credential (None: open)
+        self._access = CallCheck(access)  # the call key of the job's keeper credential (None: open)
         self._images: list[HostImage] = []  # ascending step
         self._parts: dict[int, dict[int, HostImage]] = {}  # step -> part -> image (multi-process mode)
         self._lock = threading.Lock()
@@ -118,12 +118,13 @@ class Keeper:
         return copy.deepcopy(parts[0].meta) if parts else None
 
     def _allow(self, token: str | None, call: str) -> None:
-        if self._access is None:
+        why = self._access.refusal(token, call)
+        if why is None:
             return
-        if isinstance(token, str) and hmac.compare_digest(hashlib.sha256(token.encode()).hexdigest(), self._access):
-            return
-        log.warning("keeper_call_refused", call=call)
-        raise KeeperAccessError(f"keeper {call} refused: the call does not carry this job's keeper credential")
+        log.warning("keeper_call_refused", call=call, reason=why)
+        raise KeeperAccessError(
+            f"keeper {call} refused ({why}): it needs a call signed with this job's keeper credential"
+        )
 
     def _held(self) -> int:
         return sum(g.nbytes for g in self._images) + sum(

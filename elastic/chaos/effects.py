@@ -85,7 +85,7 @@ def revive_simulated_slice(handles: JobHandles, index: int) -> None:
 def silence_agent(handles: JobHandles, index: int) -> None:
     """Slice ``index``'s agent stays alive but stops heartbeating (a hung host)."""
     group = handles.group()
-    group.agent(index).silence.remote(token=group.control)
+    group.agent(index).silence.remote()
 
 
 def kill_worker(handle: Any, index: int) -> None:

@@ -28,6 +28,7 @@ from elastic.control.teardown import close_supervisor, kill_actor, sweep_agents
 from elastic.control.tokens import job_token, remove_token, write_token
 from elastic.errors import SupervisorError
 from elastic.log import get_logger
+from elastic.snapshot.calls import call_key
 from elastic.supervision import credential, events
 from elastic.supervision.credential import Credentialed
 from elastic.supervision.identity import JobActors, SquatError, holder
@@ -72,6 +73,10 @@ class ActorGroup:
         """The job's actors as its credential finds them (never by a name alone)."""
         return JobActors(self._config.job_name, self._config.namespace, self.token)
 
+    def _signed(self, agent: Any) -> Credentialed:
+        """``agent`` (or worker) with its calls signed under the job's control credential."""
+        return Credentialed(agent, self.control)
+
     @property
     def control(self) -> str:
         """The credential the job's agents answer (silence, stop, liveness): derived from the job's token."""
@@ -107,7 +112,7 @@ class ActorGroup:
         if owned is not None:
             owned()
         deadline = time.monotonic() + cfg.startup_timeout_s
-        pending = [self._agents[i].start.remote(token=self.control) for i in sorted(self._agents)]
+        pending = [self._signed(self._agents[i]).start.remote() for i in sorted(self._agents)]
         ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=cfg.startup_timeout_s)
         if not_ready:
             raise SupervisorError(
@@ -141,7 +146,7 @@ class ActorGroup:
         silent one still alive, is killed first (a repaired slice has one agent)."""
         agent = self._spawn(index)
         if wait:
-            ray.get(agent.start.remote(token=self.control), timeout=self._config.startup_timeout_s)
+            ray.get(self._signed(agent).start.remote(), timeout=self._config.startup_timeout_s)
 
     def _spawn(self, index: int) -> Any:
         cfg = self._config
@@ -156,7 +161,7 @@ class ActorGroup:
                 options["lifetime"] = "detached"
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
-            agent = self._factory(index, incarnation, self._for_agents, options, credential.digest(self.control))
+            agent = self._factory(index, incarnation, self._for_agents, options, call_key(self.control))
             self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
             self._agents[index] = agent
             self._started_at[index] = time.monotonic()
@@ -188,7 +193,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(token=self.control),
+                self._signed(agent).start.remote(),
                 time.monotonic() + self._config.startup_timeout_s,
             )
         self._expect(index, incarnation)
@@ -210,7 +215,7 @@ class ActorGroup:
             incarnation = self._incarnations[index]
             self._starting[index] = (
                 incarnation,
-                agent.start.remote(token=self.control),
+                self._signed(agent).start.remote(),
                 time.monotonic() + self._config.startup_timeout_s,
             )
             self.respawns.append((index, incarnation))
@@ -262,7 +267,7 @@ class ActorGroup:
                 new = self._incarnations[index]
                 self._starting[index] = (
                     new,
-                    agent.start.remote(token=self.control),
+                    self._signed(agent).start.remote(),
                     time.monotonic() + self._config.startup_timeout_s,
                 )
                 self.respawns.append((index, new))
@@ -297,7 +302,7 @@ class ActorGroup:
 
     def agent(self, index: int) -> Any:
         """Slice ``index``'s agent, its calls carrying the job's control credential (``.handle``: the actor's)."""
-        return Credentialed(self._agents[index], self.control)
+        return self._signed(self._agents[index])
 
     def kill_supervisor(self, *, no_restart: bool = True) -> None:
         """Kill the supervisor's process (``no_restart=False``: Ray starts it again, and it replays its log)."""
@@ -332,7 +337,7 @@ class ActorGroup:
             if self.supervisor is not None:
                 close_supervisor(self.supervisor.handle, self._config.job_name, self.token)
             quiet = [
-                agent.silence.remote(token=self.control) for agent in self._agents.values()
+                self._signed(agent).silence.remote() for agent in self._agents.values()
             ]  # no beat into a dead supervisor
             ray.wait(quiet, num_returns=len(quiet), timeout=5)
             for agent in self._agents.values():

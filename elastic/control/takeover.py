@@ -13,6 +13,7 @@ from elastic.control.teardown import cleanup
 from elastic.control.tokens import find_token
 from elastic.errors import AccessError, SupervisorError
 from elastic.supervision import events
+from elastic.supervision.credential import Credentialed
 from elastic.supervision.identity import JobActors
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
@@ -44,7 +45,7 @@ def take_over(config: ElasticConfig, actors: JobActors, token: str, run: str | N
     if existing is None:  # gone meanwhile: a fresh start
         return run
     try:  # the crashed client's run goes on: one stream tells the crash and the take-over
-        run = ray.get(existing.run_id.remote(token=token), timeout=10)
+        run = ray.get(Credentialed(existing, token).run_id.remote(), timeout=10)
     except AccessError as err:
         raise AccessError(
             f"job {cfg.job_name!r} runs under another credential than this process's: pick another job_name"
@@ -55,7 +56,7 @@ def take_over(config: ElasticConfig, actors: JobActors, token: str, run: str | N
     idle = 0.0
     while time.monotonic() < deadline:
         try:
-            idle = ray.get(existing.client_idle_s.remote(token=token), timeout=10)
+            idle = ray.get(Credentialed(existing, token).client_idle_s.remote(), timeout=10)
         except AccessError:
             raise
         except Exception:  # noqa: BLE001 - a dead or stale supervisor is replaced like an idle one

@@ -12,6 +12,7 @@ from elastic.control.tokens import find_token
 from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.supervision import credential, events
+from elastic.supervision.credential import Credentialed
 from elastic.supervision.identity import JobActors, SquatError
 from elastic.supervision.supervisor import SUPERVISOR_NAME
 
@@ -95,7 +96,7 @@ def _authorize_cleanup(job_name: str, actors: JobActors, key: str | None, names:
 def close_supervisor(supervisor: Any, job_name: str, token: str | None, timeout_s: float = 10.0) -> None:
     """Stop a supervisor judging and writing events (bounded: a dead or hung one is only killed, next)."""
     try:
-        ray.get(supervisor.close.remote(token=token), timeout=timeout_s)
+        ray.get((supervisor if token is None else Credentialed(supervisor, token)).close.remote(), timeout=timeout_s)
     except Exception as err:  # noqa: BLE001 - it is killed next in any case
         get_logger("elastic.control.teardown", job=job_name).warning("supervisor_close_failed", error=repr(err))
 

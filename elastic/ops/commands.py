@@ -170,7 +170,7 @@ def _inject(args: argparse.Namespace) -> int:
             print("not injected", file=sys.stderr)
             return 1
     supervisor = job_supervisor(args.job, token)
-    out = ray.get(supervisor.inject.remote(args.fault, args.slice, token=token), timeout=30)
+    out = ray.get(supervisor.inject.remote(args.fault, args.slice), timeout=30)
     print(
         json.dumps({"job": args.job, **out})
         if args.json
@@ -198,11 +198,12 @@ def operator_token(args: argparse.Namespace, command: str) -> str:
 
 
 def job_supervisor(job: str, token: str) -> Any:
-    """The job's supervisor on the cluster, its ID checked against the job's signed record before the token goes
-    to it (``ConfigError`` when the job is not running there)."""
+    """The job's supervisor on the cluster, its ID checked against the job's signed record before any call goes to
+    it, its calls signed with ``token`` (``ConfigError`` when the job is not running there)."""
     from elastic.config import ElasticConfig
     from elastic.control.cluster import connect
     from elastic.errors import ConfigError
+    from elastic.supervision.credential import Credentialed
     from elastic.supervision.identity import JobActors
     from elastic.supervision.supervisor import SUPERVISOR_NAME
 
@@ -211,7 +212,7 @@ def job_supervisor(job: str, token: str) -> Any:
     supervisor = JobActors(job, namespace, token).find(SUPERVISOR_NAME)
     if supervisor is None:
         raise ConfigError(f"job {job!r} is not running on this cluster (no supervisor in {namespace})")
-    return supervisor
+    return Credentialed(supervisor, token)
 
 
 def _read_token_file(path: str) -> str:

@@ -41,7 +41,7 @@ def _drain(args: argparse.Namespace) -> int:
     token = operator_token(args, "drain")
     supervisor = job_supervisor(args.job, token)
     try:
-        view: Any = ray.get(supervisor.notice.remote(notice, token=token), timeout=30)
+        view: Any = ray.get(supervisor.notice.remote(notice), timeout=30)
     except ray.exceptions.RayTaskError as err:  # the supervisor's refusal: its own one line
         cause = err.cause
         if isinstance(cause, ElasticError):

@@ -26,6 +26,7 @@ import ray
 from elastic import priority
 from elastic.log import get_logger
 from elastic.runtime import distributed
+from elastic.snapshot.calls import CallCheck, Signed, call_key
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
 from elastic.supervision.agent import check_control
@@ -38,12 +39,12 @@ Call = tuple[bytes, Any]  # (the jitted function, cloudpickled; its runtime.stan
 @gated_actor  # unnamed, but gated all the same: its one method runs what it is given
 class StandbyProcess:
     """One helper process of a standby group (a Ray actor, wrapped by :class:`StandbyGroup`). ``control``: the
-    digest of the credential its group's calls carry."""
+    call key of the credential its group signs its calls with."""
 
     def __init__(self, cache_dir: str, env: dict[str, str], control: str | None = None) -> None:
         import jax
 
-        self._control = control
+        self._control = CallCheck(control)
         self._log = get_logger("elastic.standby.process")
         priority.background()  # it only saves a later recovery a compile: the job's workers come first
         distributed.setup_process(env)
@@ -167,14 +168,16 @@ class StandbyGroup:
             with self._cond:
                 if self._closed:
                     return
-                control = credential.digest(self._secret)
+                control = call_key(self._secret)
                 actors = [
                     remote.options(**self._options()).remote(self._cache_dir, self._env, control) for _ in range(size)
                 ]
                 self._actors = actors
             service = distributed.CoordinationService(size, host=ray.util.get_node_ip_address())
             refs = [
-                a.compile.remote(service.address, size, i, self._mesh_fn, calls, self._rendezvous_s, token=self._secret)
+                Signed(a, self._secret).compile.remote(
+                    service.address, size, i, self._mesh_fn, calls, self._rendezvous_s
+                )
                 for i, a in enumerate(actors)
             ]
             results = ray.get(refs, timeout=self._timeout_s)

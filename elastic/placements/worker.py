@@ -42,6 +42,7 @@ from elastic.placements.plan import GroupPlan, WorkerSpec
 from elastic.placements.restore import own_pieces
 from elastic.placements.signal_notice import SignalNotice
 from elastic.runtime import distributed
+from elastic.snapshot.calls import CallCheck
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision.agent import check_control
 from elastic.supervision.heartbeat import Heartbeat
@@ -71,7 +72,7 @@ class SliceWorker:
         self.slice = slice_index
         self.incarnation = incarnation
         self._supervisor = supervisor
-        self._control = control  # digest of the job's control credential: its agent duties answer only that
+        self._control = CallCheck(control)  # the call key of the job's control credential: its duties answer only that
         self._spec = spec
         cfg = spec.config
         self._config = cfg

@@ -1,8 +1,9 @@
 """The supervisor's gate: who may call which method, and how a refused call is recorded without a flood.
 
-A call carries ``token=``; every public method of the supervisor is :func:`guarded` (its one check, before its body
-runs), and :meth:`Gate.check` accepts the job's token, or for the methods open to agents their
-derived credential (only the digests are held, :mod:`elastic.supervision.credential`). A refusal raises
+A call carries ``token=``, signed for that one call (:mod:`elastic.snapshot.calls`); every public method of the
+supervisor is :func:`guarded` (its one check, before its body runs), and :meth:`Gate.check` accepts a token signed
+with the job's token, or for the methods open to agents with their derived credential, once (only the call keys
+are held, :mod:`elastic.supervision.credential`). A refusal raises
 :class:`~elastic.errors.AccessError` and is written to the job's stream as ``refused_command`` naming the
 *method* (a fixed name of the supervisor's, never a string the caller chose), under a writer of its own
 (``supervisor-refusals``, its own bound of kept records): refusals can never push the supervisor's replay history
@@ -22,6 +23,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from elastic.errors import AccessError
 from elastic.log import get_logger
+from elastic.snapshot.calls import CallCheck, call_key
 from elastic.supervision import credential
 from elastic.supervision.events import EventStream
 
@@ -40,8 +42,8 @@ class Gate:
     def __init__(self, job: str, run: str, token: str | None, *, epoch: Callable[[], int] = lambda: 0) -> None:
         self._job = job
         self._epoch = epoch
-        self._token_digest = credential.digest(token) if token is not None else None
-        self._agent_digest = credential.digest(credential.derive(token, "agent")) if token is not None else None
+        agent = credential.derive(token, "agent") if token is not None else None
+        self._calls = CallCheck(call_key(token) if token is not None else None, call_key(agent) if agent else None)
         key = credential.derive(token, "stream") if token is not None else None
         self._stream = EventStream(job, run, REFUSALS_WRITER, keep=REFUSALS_KEPT, key=key)
         self._written: dict[str, tuple[int, float]] = {}  # method -> (refusals written, when the last was)
@@ -50,25 +52,26 @@ class Gate:
 
     @property
     def open(self) -> bool:
-        return self._token_digest is None
+        return self._calls.open
 
-    def check(self, token: Any, method: str, *, agents: bool = False) -> None:
-        """``AccessError`` unless ``token`` is the job's credential (``agents``: or its agents'). ``method`` is the
-        supervisor's own name for the call."""
-        if self._token_digest is None:
-            return
-        if credential.check(token, self._token_digest, self._agent_digest if agents else None):
+    def check(self, token: Any, method: str, *, agents: bool = False, signed_for: str | None = None) -> None:
+        """``AccessError`` unless ``token`` is a fresh call signed with the job's credential (``agents``: or its
+        agents') for the Ray method ``signed_for`` (default ``method``). ``method`` is the supervisor's own name
+        for the call, which a refusal records."""
+        why = self._calls.refusal(token, signed_for or method, keys=(0, 1) if agents else (0,))
+        if why is None:
             return
         self.refused += 1
         now = time.monotonic()
         written, last = self._written.get(method, (0, -math.inf))
         if written < BURST or now - last >= EVERY_S:
             self._written[method] = (written + 1, now)
-            self._stream.append("refused_command", command=method[:64], epoch=self._epoch(), refused=self.refused)
-            self._log.warning("command_refused", command=method[:64], refused=self.refused)
+            record = {"command": method[:64], "reason": why, "refused": self.refused}
+            self._stream.append("refused_command", epoch=self._epoch(), **record)
+            self._log.warning("command_refused", **record)
         raise AccessError(
-            f"{method[:64]} refused: it does not carry job {self._job!r}'s credential (only the job's own "
-            "client, its agents, or an operator holding its token may call it)"
+            f"{method[:64]} refused ({why}): only job {self._job!r}'s own client, its agents, or an operator "
+            "holding its token may call it, each call signed once"
         )
 
 
@@ -92,7 +95,7 @@ def guarded(method: str, *, agents: bool = False) -> Callable[[F], F]:
         @functools.wraps(fn)
         async def checked(self: Guarded, *args: Any, **kwargs: Any) -> Any:
             token = signature.bind(self, *args, **kwargs).arguments.get("token")
-            self.gate.check(token, method, agents=agents)
+            self.gate.check(token, method, agents=agents, signed_for=fn.__name__)
             return await fn(self, *args, **kwargs)
 
         return cast(F, checked)

@@ -5,9 +5,10 @@ notices at once (its lifeline call fails); a hung host stops its heartbeats. The
 :class:`SliceAgent` per slice; a :class:`SliceGroupAgent` holds many slices (e.g. every slice of one
 host) and sends one heartbeat call per interval for all of them.
 
-Every method takes ``token=``: the job's *control* credential (:func:`~elastic.supervision.credential.derive`
-``"control"``), held by the job's client and supervisor; an agent keeps its digest (``control``, given at
-creation; None: an open agent, for tests) and refuses any other call with :class:`~elastic.errors.AccessError`.
+Every method takes ``token=``: a call signed with the job's *control* credential
+(:func:`~elastic.supervision.credential.derive` ``"control"``), held by the job's client and supervisor; an agent
+keeps its call key (``control``, given at creation; None: an open agent, for tests), accepts each signed call once
+(:mod:`elastic.snapshot.calls`) and refuses any other with :class:`~elastic.errors.AccessError`.
 Its private methods are unreachable through Ray (:func:`~elastic.snapshot.gated.gated_actor`).
 """
 
@@ -22,8 +23,8 @@ import ray
 from elastic import priority
 from elastic.errors import AccessError
 from elastic.log import get_logger
+from elastic.snapshot.calls import CallCheck
 from elastic.snapshot.gated import gated_actor
-from elastic.supervision import credential
 from elastic.supervision.heartbeat import Heartbeat
 from elastic.supervision.maintenance import MaintenanceListener
 from elastic.supervision.sources import NoticeSources
@@ -31,12 +32,14 @@ from elastic.supervision.sources import NoticeSources
 __all__ = ["SliceAgent", "SliceGroupAgent", "check_control"]
 
 
-def check_control(control: str | None, token: object, method: str, log: Any) -> None:
-    """``AccessError`` unless ``token`` is the job's control credential (``control``: its digest; None: open)."""
-    if control is None or credential.check(token, control):
+def check_control(control: CallCheck, token: object, method: str, log: Any) -> None:
+    """``AccessError`` unless ``token`` is a fresh call of ``method`` signed with the job's control credential
+    (``control``: the actor's check of its call key)."""
+    why = control.refusal(token, method)
+    if why is None:
         return
-    log.warning("agent_call_refused", method=method)
-    raise AccessError(f"agent {method} refused: the call does not carry this job's control credential")
+    log.warning("agent_call_refused", method=method, reason=why)
+    raise AccessError(f"agent {method} refused ({why}): it needs a call signed with this job's control credential")
 
 
 @ray.remote(num_cpus=0)
@@ -53,7 +56,7 @@ class SliceAgent:
         control: str | None = None,
     ) -> None:
         priority.normal("agent", job=job, slice=slice_index)  # a late heartbeat is a false alarm
-        self._control = control  # digest of the job's control credential
+        self._control = CallCheck(control)  # the call key of the job's control credential
         self._slice = slice_index
         self._incarnation = incarnation
         self._supervisor = supervisor
@@ -125,7 +128,7 @@ class SliceGroupAgent:
         self, slices: dict[int, int], supervisor: Any, interval_s: float, job: str, control: str | None = None
     ) -> None:
         priority.normal("agent", job=job, slices=len(slices))
-        self._control = control  # digest of the job's control credential
+        self._control = CallCheck(control)  # the call key of the job's control credential
         self._slices = dict(slices)
         self._supervisor = supervisor
         self._silent: set[int] = set()

@@ -29,13 +29,13 @@ class Liveness:
         *,
         timeout_s: float,
         tick_s: float,
-        control: str | None,
+        signed: Callable[[Any], Any],
         log: Any,
         late: Callable[[int, float], None],
         lost: Callable[[int, int | None, float], Awaitable[None]],
         spawn: Callable[[Coroutine[Any, Any, None]], object],
     ) -> None:
-        self._agents, self._timeout_s, self._tick_s, self._control = agents, timeout_s, tick_s, control
+        self._agents, self._timeout_s, self._tick_s, self._signed = agents, timeout_s, tick_s, signed
         self._log, self._late, self._lost, self._spawn = log, late, lost, spawn
 
     async def run(self, judge: Callable[[], Awaitable[None]], epoch: Callable[[], int]) -> None:
@@ -60,7 +60,7 @@ class Liveness:
         answered = False
         try:
             if agent is not None:
-                answered = bool(await asyncio.wait_for(agent.alive.remote(s, token=self._control), bound))
+                answered = bool(await asyncio.wait_for(self._signed(agent).alive.remote(s), bound))
         except Exception:  # noqa: BLE001 - no answer in time, or the agent is gone: it is silent for real
             answered = False
         finally:

@@ -38,6 +38,7 @@ import ray
 from elastic import priority
 from elastic.errors import NoticeError, SupervisorError
 from elastic.log import get_logger
+from elastic.snapshot.calls import Signed, call_key
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
 from elastic.supervision.access import Gate, guarded
@@ -67,7 +68,8 @@ class Supervisor:
         # token None: an open supervisor (tests, benchmarks). The agents answer the derived control credential only.
         self._view = View()
         self.gate = Gate(job, run, token, epoch=lambda: self._view.epoch)  # every public method's one check
-        self._control = credential.derive(token, "control") if token is not None else None
+        # the call key of the control credential: it signs the calls on the agents (it opens nothing else)
+        self._control = call_key(credential.derive(token, "control")) if token is not None else None
         key = credential.derive(token, "stream") if token is not None else None
         stream = EventStream(job, run, "supervisor", key=key)
         self._log = get_logger("elastic.supervision.supervisor", job=job)
@@ -92,7 +94,7 @@ class Supervisor:
             self._agents,
             timeout_s=heartbeat_timeout_s,
             tick_s=tick_s,
-            control=self._control,
+            signed=self._signed,
             log=self._log,
             late=self._late,
             lost=self._lapsed,
@@ -204,10 +206,14 @@ class Supervisor:
         if not self._journal.closed:
             self._agents.expect(slice_index, incarnation, time.monotonic() + within_s)
 
+    def _signed(self, agent: Any) -> Any:
+        """``agent`` with its calls signed under the control credential's call key (as it is, when open)."""
+        return agent if self._control is None else Signed.under(agent, self._control)
+
     async def _watch(self, slices: list[Pair], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
         try:
-            await agent.lifeline.remote(token=self._control)
+            await self._signed(agent).lifeline.remote()
         except Exception as err:  # noqa: BLE001 - any failure of the lifeline means the agent is gone
             self._agents.unwatch(slices)
             lost = [(s, incarnation) for s, incarnation in slices if self._agents.agent(s) == incarnation]
@@ -294,9 +300,9 @@ class Supervisor:
         if kind == "kill":
             ray.kill(agent, no_restart=True)
         elif kind == "stop":
-            agent.stop_process.remote(token=self._control)
+            self._signed(agent).stop_process.remote()
         else:
-            agent.silence.remote(token=self._control)
+            self._signed(agent).silence.remote()
         return {"fault": kind, "slice": slice_index, "agent": name, "epoch": self._view.epoch}
 
     @guarded("notice")

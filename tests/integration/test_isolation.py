@@ -25,11 +25,12 @@ from elastic.control.cluster import ActorGroup
 from elastic.control.teardown import cleanup
 from elastic.control.tokens import read_token, token_path
 from elastic.ops.runs import open_run
+from elastic.snapshot.calls import call_key, sign
 from elastic.snapshot.image import checksum, meta_checksum
 from elastic.snapshot.keeper import KeeperTier
 from elastic.supervision import events
 from elastic.supervision.access import MAX_RECORD_BYTES, REFUSALS_WRITER
-from elastic.supervision.credential import derive, new_token
+from elastic.supervision.credential import Credentialed, derive, new_token
 from elastic.supervision.identity import holder
 from elastic.supervision.notices import make_notice
 from elastic.supervision.supervisor import SUPERVISOR_NAME
@@ -89,31 +90,39 @@ def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
     raw = ray.get_actor(SUPERVISOR_NAME, namespace=mine._config.namespace)
     agent_cred = derive(mine.token, "agent")
     calls = {
-        "register (hijack: replace the slice set)": lambda t: raw.register_slices.remote([(1, 99)], None, token=t),
-        "heartbeat": lambda t: raw.heartbeats.remote([(0, 0)], token=t),
-        "report_lost": lambda t: raw.report_lost.remote([1], "not yours", token=t),
-        "inject": lambda t: raw.inject.remote("kill", 1, token=t),
-        "close": lambda t: raw.close.remote(token=t),
-        "view": lambda t: raw.view.remote(token=t),
-        "events": lambda t: raw.events.remote(token=t),
-        "run_id": lambda t: raw.run_id.remote(token=t),
-        "usage": lambda t: raw.usage.remote(token=t),
-        "wait_for_epoch": lambda t: raw.wait_for_epoch.remote(0, 0.1, token=t),
-        "respawnable": lambda t: raw.respawnable.remote(token=t),
-        "notice": lambda t: raw.notice.remote(make_notice(1, 60.0, "not yours"), token=t),
+        "register (hijack: replace the slice set)": lambda h, **t: h.register_slices.remote([(1, 99)], None, **t),
+        "heartbeat": lambda h, **t: h.heartbeats.remote([(0, 0)], **t),
+        "report_lost": lambda h, **t: h.report_lost.remote([1], "not yours", **t),
+        "inject": lambda h, **t: h.inject.remote("kill", 1, **t),
+        "close": lambda h, **t: h.close.remote(**t),
+        "view": lambda h, **t: h.view.remote(**t),
+        "events": lambda h, **t: h.events.remote(**t),
+        "run_id": lambda h, **t: h.run_id.remote(**t),
+        "usage": lambda h, **t: h.usage.remote(**t),
+        "wait_for_epoch": lambda h, **t: h.wait_for_epoch.remote(0, 0.1, **t),
+        "respawnable": lambda h, **t: h.respawnable.remote(**t),
+        "notice": lambda h, **t: h.notice.remote(make_notice(1, 60.0, "not yours"), **t),
     }
     for what, call in calls.items():
-        for token in (None, other.token, "x" * 64):
-            assert refused(call(token)), f"{what} with {token!r} was not refused"
+        # the job's token itself is no call's credential either: a call carries a token signed for it
+        for token in (None, other.token, "x" * 64, mine.token, agent_cred):
+            assert refused(call(raw, token=token)), f"{what} with {token!r} was not refused"
+        assert refused(call(Credentialed(raw, other.token))), f"{what} signed by another job was not refused"
     for what in ("report_lost", "inject", "close", "events", "run_id", "notice"):  # agents' credential: no command
-        assert refused(calls[what](agent_cred)), what
-    assert ray.get(raw.heartbeats.remote([(0, 0)], token=agent_cred), timeout=30) == []  # ... but beats
+        assert refused(calls[what](Credentialed(raw, agent_cred))), what
+    assert ray.get(Credentialed(raw, agent_cred).heartbeats.remote([(0, 0)]), timeout=30) == []  # ... but beats
     view = ray.get(mine.supervisor.view.remote(), timeout=30)
     assert view.active == frozenset(range(4)) and view.epoch == 1, view  # nothing happened
     assert refused(raw.__ray_call__.remote(lambda self: repr(vars(self))))  # no code from outside runs in it
+    seen = sign(call_key(mine.token), "view")  # one call of the job's own, as an eavesdropper might copy it
+    assert ray.get(raw.view.remote(token=seen), timeout=30).epoch == 1
+    assert refused(raw.view.remote(token=seen))  # replayed: refused
+    assert refused(raw.inject.remote("kill", 1, token=sign(call_key(mine.token), "view")))  # signed for another
     records = events.read(job, mine.run)
     good, forged = events.verify(records, derive(mine.token, "stream"))
-    assert not forged and any(r["kind"] == "refused_command" and r["command"] == "register" for r in good)
+    refusals = [r for r in good if r["kind"] == "refused_command"]
+    assert not forged and any(r["command"] == "register" for r in refusals)
+    assert any(r["command"] == "view" and "replayed" in r["reason"] for r in refusals), refusals[-3:]
     out = ray.get(mine.supervisor.inject.remote("kill", 1), timeout=30)  # its own credential works
     assert out["agent"] == "agent-1-0"
 
@@ -193,7 +202,7 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
         assert tier.latest().step == 10
         keepers = sorted(tier.handles().items())
         for _, k in keepers:  # another job: no credential, or its own
-            for cred in (None, derive("other", "keeper")):
+            for cred in (None, derive("other", "keeper"), derive(token, "keeper")):  # nor the credential itself
                 for call in (
                     k.latest.remote(token=cred),
                     k.steps.remote(token=cred),
@@ -213,7 +222,7 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
         )
         forged.verify()  # it passes the checksums
         assert refused(keepers[0][1].__ray_call__.remote(lambda self, im: self._images.append(im), forged))
-        ray.get(keepers[0][1].put.remote(forged, token=derive(token, "keeper")), timeout=30)  # the keeper's gate passed
+        ray.get(Credentialed(keepers[0][1], derive(token, "keeper")).put.remote(forged), timeout=30)  # gate passed
         got = tier.latest()
         assert got is not None and got.step == 10, got  # the next keeper's good image
         assert refusals and refusals[0][:2] == (keepers[0][0], 30), refusals
@@ -492,7 +501,7 @@ def test_another_job_can_neither_silence_nor_stop_nor_stall_the_agents(two_jobs)
     namespace = mine._config.namespace
     for index in range(4):
         raw = ray.get_actor(f"agent-{index}-0", namespace=namespace)  # what anyone can get
-        for token in (None, other.control, mine.token, derive(mine.token, "agent")):
+        for token in (None, other.control, mine.token, derive(mine.token, "agent"), mine.control):
             for call in (
                 raw.silence.remote(token=token),
                 raw.stall.remote(5.0, token=token),
@@ -503,7 +512,7 @@ def test_another_job_can_neither_silence_nor_stop_nor_stall_the_agents(two_jobs)
                 assert refused(call), (index, token)
     view = ray.get(mine.supervisor.wait_for_epoch.remote(1, 3 * 1.5), timeout=60)  # past the heartbeat timeout
     assert view.epoch == 1 and view.active == frozenset(range(4)), view  # nobody was dropped
-    assert ray.get(mine.agent(1).alive.remote(1, token=mine.control), timeout=30)  # its own credential works
+    assert ray.get(mine.agent(1).alive.remote(1), timeout=30)  # a call signed with its own credential works
 
 
 def test_the_supervisors_private_methods_are_unreachable(two_jobs):
@@ -618,13 +627,14 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
     from elastic.placements.worker import SliceWorker, WorkerSpec
     from elastic.snapshot.keeper_actor import Keeper
     from elastic.supervision.agent import SliceAgent, SliceGroupAgent
-    from elastic.supervision.credential import digest
     from elastic.supervision.supervisor import Supervisor
 
     token, other = new_token(), new_token()
     cfg = config(f"iso-enum-{uuid.uuid4().hex[:6]}", num_slices=2)
     job, namespace = cfg.job_name, cfg.namespace
-    control, wrong = digest(derive(token, "control")), [None, derive(other, "control"), token]
+    # the credentials themselves are refused too: a call carries a token signed for it, never the credential
+    control = call_key(derive(token, "control"))
+    wrong = [None, derive(other, "control"), token, derive(token, "control")]
     run = events.new_run(job, key=derive(token, "stream"))
     spec = WorkerSpec(config=cfg, init_fn=_zeros)
     actors = {
@@ -641,7 +651,7 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
             SliceGroupAgent.__ray_metadata__.modified_class,
         ),
         "keeper": (
-            Keeper.options(name="keeper-0", namespace=namespace).remote(1, digest(derive(token, "keeper"))),
+            Keeper.options(name="keeper-0", namespace=namespace).remote(1, call_key(derive(token, "keeper"))),
             Keeper.__ray_metadata__.modified_class,
         ),
         "worker": (
@@ -662,8 +672,8 @@ def test_every_method_of_every_actor_refuses_a_call_without_the_credential(ray_l
             name = name or {"keeper": "keeper-0", "worker": "agent-1-0"}.get(what)
             raw = ray.get_actor(name, namespace=namespace) if name else created  # what another job gets
             tokens = {
-                "supervisor": [None, other, derive(token, "control")],
-                "keeper": [None, derive(other, "keeper"), token],
+                "supervisor": [None, other, derive(token, "control"), token],
+                "keeper": [None, derive(other, "keeper"), token, derive(token, "keeper")],
             }.get(what, wrong)
             assert _refuses_every_method(raw, cls, tokens) == [], what
             for token_ in (None, *tokens):  # Ray's own way to run the caller's code in the actor: refused to all

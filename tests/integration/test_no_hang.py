@@ -41,7 +41,7 @@ def test_silent_agent_is_dropped_after_heartbeat_timeout(ray_local):
     job, _ = ledger_job("silent-agent")
     with job:
         view, took = _view_change_after(
-            job, lambda: ray.get(job.group.agent(3).silence.remote(token=job.group.control), timeout=10), bound_s=10
+            job, lambda: ray.get(job.group.agent(3).silence.remote(), timeout=10), bound_s=10
         )
         events = job.group.events()
     assert view.active == frozenset({0, 1, 2}), view

@@ -130,14 +130,12 @@ def _held_loop(namespace: str, at_step: int):
         for step in run.steps:
             if step == at_step:
                 from elastic.control.tokens import read_token  # the job's credential: its user's token file
+                from elastic.supervision.credential import Credentialed
 
-                supervisor = ray.get_actor("supervisor", namespace=namespace)
                 token = read_token(namespace.removeprefix("elastic-"))
+                supervisor = Credentialed(ray.get_actor("supervisor", namespace=namespace), token)
                 deadline = time.monotonic() + 120
-                while (
-                    len(ray.get(supervisor.view.remote(token=token), timeout=30).active) < 4
-                    and time.monotonic() < deadline
-                ):
+                while len(ray.get(supervisor.view.remote(), timeout=30).active) < 4 and time.monotonic() < deadline:
                     time.sleep(0.1)
             state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
             run.commit(state, loss=loss)

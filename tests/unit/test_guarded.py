@@ -18,8 +18,8 @@ class Gate:
     def __init__(self) -> None:
         self.checked: list[tuple[Any, str, bool]] = []
 
-    def check(self, token: Any, method: str, *, agents: bool = False) -> None:
-        self.checked.append((token, method, agents))
+    def check(self, token: Any, method: str, *, agents: bool = False, signed_for: str | None = None) -> None:
+        self.checked.append((token, signed_for or method, agents))
         if token != "good":
             raise AccessError(f"{method} refused")
 
