@@ -10,17 +10,15 @@ on epoch changes with ``wait_for_epoch`` (no polling). What it knows of each age
 restarted supervisor, on any node, rebuilds its state from (:func:`~elastic.supervision.replay.replay`); agents
 re-register on their next heartbeat; epochs continue.
 
-An agent silent past ``heartbeat_timeout_s`` is dropped, but not for good: when it beats again it re-registers and
-its slice rejoins through ``decide``, each lapse a failure towards ``max_slice_failures``. An agent that died, or
-whose slice the client saw fail, is refused for good: only a new incarnation brings its slice back (the client's
-:class:`~elastic.control.cluster.ActorGroup` starts one for the slices ``respawnable`` lists). A
+An agent silent past ``heartbeat_timeout_s`` is dropped, not for good: beating again it re-registers and its slice
+rejoins through ``decide`` (each lapse a failure towards ``max_slice_failures``). An agent that died, or whose slice
+the client saw fail, is refused for good: only a new incarnation (``respawnable``) brings its slice back. A
 :class:`~elastic.supervision.notices.Notice`, whatever its source, comes in through ``notice``: its slices are marked
 *leaving* and a view without them is published. ``close`` ends supervision for good: no judging, no records.
 
-Every call takes ``token=``: the job's credential (:mod:`elastic.supervision.credential`), or for registrations,
-heartbeats and views its agents' derived one, checked by :func:`~elastic.supervision.access.guarded` and nowhere
-else (only digests are kept; a refusal raises :class:`~elastic.errors.AccessError` and is written to the stream).
-The records it writes are signed under the job's stream key; a restart replays only those that verify.
+Every call takes ``token=`` signed once with the job's credential, or for registrations, heartbeats and views its
+agents' (:mod:`elastic.snapshot.calls`), checked by :func:`~elastic.supervision.access.guarded` and nowhere else.
+Its records are signed under the job's stream key; a restart replays only those that verify.
 """
 
 from __future__ import annotations
@@ -29,8 +27,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import ray
@@ -65,11 +64,11 @@ class Supervisor:
     ) -> None:
         priority.normal("supervisor", job=job)  # a starved judge of heartbeats raises false alarms
         self._job, self._policy, self._run = job, policy, run
-        # token None: an open supervisor (tests, benchmarks). The agents answer the derived control credential only.
-        self._view = View()
+        self._view = View()  # token None: an open supervisor (tests, benchmarks)
         self.gate = Gate(job, run, token, epoch=lambda: self._view.epoch)  # every public method's one check
-        # the call key of the control credential: it signs the calls on the agents (it opens nothing else)
-        self._control = call_key(credential.derive(token, "control")) if token is not None else None
+        # the agents' calls signed under the control credential's call key (it opens nothing else); open: unsigned
+        control = call_key(credential.derive(token, "control")) if token is not None else None
+        self._signed: Callable[[Any], Any] = (lambda a: a) if control is None else partial(Signed.under, key=control)
         key = credential.derive(token, "stream") if token is not None else None
         stream = EventStream(job, run, "supervisor", key=key)
         self._log = get_logger("elastic.supervision.supervisor", job=job)
@@ -205,10 +204,6 @@ class Supervisor:
         not give up for want of it. Cleared when it registers, dies, or is late."""
         if not self._journal.closed:
             self._agents.expect(slice_index, incarnation, time.monotonic() + within_s)
-
-    def _signed(self, agent: Any) -> Any:
-        """``agent`` with its calls signed under the control credential's call key (as it is, when open)."""
-        return agent if self._control is None else Signed.under(agent, self._control)
 
     async def _watch(self, slices: list[Pair], agent: Any) -> None:
         """Notice the agent's death at once: its lifeline call fails when the actor dies."""
