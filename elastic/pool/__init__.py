@@ -1,0 +1,39 @@
+"""A pool of slices shared by many jobs: lent by priority and quota, taken back by notice, given back when free.
+
+:mod:`.model` holds the data, :mod:`.policy` the pure decision (:func:`decide`).
+"""
+
+from elastic.pool.model import (
+    Arrive,
+    Event,
+    JobSpec,
+    JobStatus,
+    Leave,
+    Plan,
+    PoolState,
+    Reclaim,
+    Release,
+    Resize,
+    SliceFailed,
+    SliceReturned,
+    new_state,
+)
+from elastic.pool.policy import decide, targets
+
+__all__ = [
+    "Arrive",
+    "Event",
+    "JobSpec",
+    "JobStatus",
+    "Leave",
+    "Plan",
+    "PoolState",
+    "Reclaim",
+    "Release",
+    "Resize",
+    "SliceFailed",
+    "SliceReturned",
+    "decide",
+    "new_state",
+    "targets",
+]
