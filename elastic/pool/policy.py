@@ -40,7 +40,7 @@ from elastic.pool.model import (
     SliceReturned,
 )
 
-__all__ = ["apply", "decide", "order", "targets"]
+__all__ = ["apply", "decide", "order", "status_of", "targets"]
 
 
 def order(state: PoolState) -> list[str]:
@@ -203,7 +203,7 @@ def decide(state: PoolState, event: Event) -> Plan:
     }
     new = replace(state, jobs=jobs, held=held, reclaiming=reclaiming)
     reclaims = tuple(_notices(new, taken))
-    status = {n: _status(new, n, target) for n in ranked}
+    status = {n: status_of(new, n, target) for n in ranked}
     actions = [f"lend {_list(s)} to {n}" for n, s in grants.items()]
     actions += [
         f"reclaim {_list(r.slices)} from {r.job}" + (f" for {r.for_job}" if r.for_job else "") for r in reclaims
@@ -239,7 +239,9 @@ def _why(state: PoolState, job: str, asker: str | None) -> str:
     return f"{asker} (priority {e.spec.priority}) needs it; {job} has priority {state.jobs[job].spec.priority}"
 
 
-def _status(state: PoolState, name: str, target: Mapping[str, int]) -> JobStatus:
+def status_of(state: PoolState, name: str, target: Mapping[str, int] | None = None) -> JobStatus:
+    """Job ``name``'s status in ``state`` (``target``: :func:`targets` of it, computed when not given)."""
+    target = targets(state) if target is None else target
     e = state.jobs[name]
     have = len(state.holding(name))
     want, low = e.asked, e.spec.min_slices

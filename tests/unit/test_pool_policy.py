@@ -267,3 +267,13 @@ def test_properties(sequence, quota) -> None:
         check(plan, state, e)
         state = plan.state
     assert state_from_dict(state_to_dict(state)) == state
+
+
+def test_the_pool_actor_offers_its_gated_methods_only() -> None:
+    from elastic.pool.actor import Pool
+    from elastic.snapshot.gated import reachable
+
+    assert reachable(Pool) == sorted(
+        ["events", "lease", "leave", "release", "resize", "slice_failed", "slice_returned", "status", "submit"]
+        + ["wait_lease"]
+    )
