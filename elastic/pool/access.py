@@ -94,7 +94,8 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 def pool_guarded(method: str, *, operator: bool = False) -> Callable[[F], F]:
     """The credential check of a pool method, its only one: the call's ``token`` and ``user`` go through
-    ``self.gate``; the body gets ``caller=`` (a :class:`Caller`). ``operator``: users are refused."""
+    ``self.gate``; the body gets ``caller=`` (a :class:`Caller`; one the call itself carried is replaced).
+    ``operator``: users are refused."""
 
     def wrap(fn: F) -> F:
         signature = inspect.signature(fn)

@@ -165,10 +165,16 @@ class Pool:
     # -- the jobs' side -------------------------------------------------------------------------
     @pool_guarded("submit")
     async def submit(
-        self, spec: JobSpec, want: int | None = None, *, user: str | None = None, token: str | None = None, **kw: Any
+        self,
+        spec: JobSpec,
+        want: int | None = None,
+        *,
+        user: str | None = None,
+        token: str | None = None,
+        caller: Caller | None = None,
     ) -> dict[str, Any]:
         """Add a job (``spec.user`` must be the caller, unless the operator calls): its lease."""
-        caller: Caller = kw["caller"]
+        caller = _through_gate(caller)
         if not isinstance(spec, JobSpec):
             raise ConfigError(f"submit takes a JobSpec; got {type(spec).__name__}")
         if not caller.operator and spec.user != caller.user:
@@ -178,33 +184,41 @@ class Pool:
 
     @pool_guarded("release")
     async def release(
-        self, job: str, slices: list[int], *, user: str | None = None, token: str | None = None, **kw: Any
+        self,
+        job: str,
+        slices: list[int],
+        *,
+        user: str | None = None,
+        token: str | None = None,
+        caller: Caller | None = None,
     ) -> dict[str, Any]:
         """The job left ``slices`` (a reclaim obeyed, or of its own accord): its lease after."""
-        self._own(kw["caller"], job)
+        self._own(_through_gate(caller), job)
         await self._carry(Release(job=job, slices=frozenset(slices)))
         return self._lease(job)
 
     @pool_guarded("resize")
     async def resize(
-        self, job: str, want: int, *, user: str | None = None, token: str | None = None, **kw: Any
+        self, job: str, want: int, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
     ) -> dict[str, Any]:
-        self._own(kw["caller"], job)
+        self._own(_through_gate(caller), job)
         await self._carry(Resize(job=job, want=want))
         return self._lease(job)
 
     @pool_guarded("leave")
-    async def leave(self, job: str, *, user: str | None = None, token: str | None = None, **kw: Any) -> None:
+    async def leave(
+        self, job: str, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
+    ) -> None:
         """The job ended: every slice it holds goes back to the pool."""
-        self._own(kw["caller"], job)
+        self._own(_through_gate(caller), job)
         await self._carry(Leave(job=job))
 
     @pool_guarded("slice_failed")
     async def slice_failed(
-        self, slice_index: int, *, user: str | None = None, token: str | None = None, **kw: Any
+        self, slice_index: int, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
     ) -> int:
         """A slice failed (the operator, or the user whose job holds it, says so): the pool's version after."""
-        caller: Caller = kw["caller"]
+        caller = _through_gate(caller)
         holder = self._state.held.get(slice_index)
         if not caller.operator and (holder is None or self._state.jobs[holder].spec.user != caller.user):
             raise AccessError(f"refused: slice {slice_index} is not held by a job of user {caller.user!r}")
@@ -212,35 +226,46 @@ class Pool:
         return self._version
 
     @pool_guarded("slice_returned", operator=True)
-    async def slice_returned(self, slice_index: int, *, token: str | None = None, **kw: Any) -> int:
+    async def slice_returned(self, slice_index: int, *, token: str | None = None, caller: Caller | None = None) -> int:
         await self._carry(SliceReturned(slice=slice_index))
         return self._version
 
     @pool_guarded("lease")
-    async def lease(self, job: str, *, user: str | None = None, token: str | None = None, **kw: Any) -> dict[str, Any]:
-        self._own(kw["caller"], job)
+    async def lease(
+        self, job: str, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
+    ) -> dict[str, Any]:
+        self._own(_through_gate(caller), job)
         return self._lease(job)
 
     @pool_guarded("wait_lease")
     async def wait_lease(
-        self, job: str, after: int, timeout_s: float, *, user: str | None = None, token: str | None = None, **kw: Any
+        self,
+        job: str,
+        after: int,
+        timeout_s: float,
+        *,
+        user: str | None = None,
+        token: str | None = None,
+        caller: Caller | None = None,
     ) -> dict[str, Any]:
         """The job's lease once the pool's version is past ``after`` (or at ``timeout_s``, bounded to 60 s)."""
-        self._own(kw["caller"], job)
+        self._own(_through_gate(caller), job)
         cond = self._condition()
         async with cond:
             try:
                 await asyncio.wait_for(cond.wait_for(lambda: self._version > after), min(max(timeout_s, 0.0), 60.0))
             except TimeoutError:
                 pass
-        self._own(kw["caller"], job)  # it may have left meanwhile
+        self._own(_through_gate(caller), job)  # it may have left meanwhile
         return self._lease(job)
 
     # -- the operator's side --------------------------------------------------------------------
     @pool_guarded("status")
-    async def status(self, *, user: str | None = None, token: str | None = None, **kw: Any) -> dict[str, Any]:
+    async def status(
+        self, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
+    ) -> dict[str, Any]:
         """The pool: the operator sees every job; a user sees their own and how many slices the others hold."""
-        caller: Caller = kw["caller"]
+        caller = _through_gate(caller)
         s = self._state
         mine = [n for n, e in s.jobs.items() if caller.operator or e.spec.user == caller.user]
         out: dict[str, Any] = {
@@ -257,9 +282,11 @@ class Pool:
         return out
 
     @pool_guarded("events")
-    async def events(self, *, user: str | None = None, token: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+    async def events(
+        self, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
+    ) -> list[dict[str, Any]]:
         """The pool's records: all of them for the operator; a user's own jobs' decisions, without the others'."""
-        caller: Caller = kw["caller"]
+        caller = _through_gate(caller)
         records = self._journal.records
         if caller.operator:
             return records
@@ -282,3 +309,10 @@ def decide_status(state: PoolState, job: str) -> dict[str, Any]:
     """Job ``job``'s status in ``state``, as the policy words it."""
     st = status_of(state, job)
     return {"state": st.state, "target": st.target, "asked": st.asked, "reason": st.reason}
+
+
+def _through_gate(caller: Caller | None) -> Caller:
+    """The caller the gate named (a method reached without it is a bug: refused)."""
+    if caller is None:
+        raise AccessError("refused: a pool method reached without its credential check")
+    return caller
