@@ -226,7 +226,10 @@ class Pool:
         return self._version
 
     @pool_guarded("slice_returned", operator=True)
-    async def slice_returned(self, slice_index: int, *, token: str | None = None, caller: Caller | None = None) -> int:
+    async def slice_returned(
+        self, slice_index: int, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
+    ) -> int:
+        """A failed slice is back (the operator's call only): the pool's version after."""
         await self._carry(SliceReturned(slice=slice_index))
         return self._version
 
