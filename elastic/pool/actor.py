@@ -87,6 +87,7 @@ class Pool:
         else:
             self._journal.append({"kind": "pool_started", "size": size, "quotas": dict(quotas), "users": users})
         self._cond: asyncio.Condition | None = None
+        self._why: dict[int, str] = {}  # slice being reclaimed -> why (kept in memory only)
         now = time.monotonic()
         self._below: dict[str, float] = {}  # job -> seconds below its asked count, closed spells
         self._below_since: dict[str, float] = {
@@ -124,6 +125,8 @@ class Pool:
             }
         )
         self._state, self._version = plan.state, self._version + 1
+        self._why = {s: r for s, r in self._why.items() if s in plan.state.reclaiming}
+        self._why.update({s: r.reason for r in plan.reclaims for s in r.slices})
         self._account(time.monotonic())
         self._log.info("pool_decision", version=self._version, reason=plan.reason)
         async with self._condition():
@@ -157,6 +160,7 @@ class Pool:
             "priority": s.jobs[job].spec.priority,
             "slices": sorted(s.holding(job)),
             "leave": sorted(x for x in s.holding(job) if x in s.reclaiming),
+            "why": {x: self._why.get(x, "the pool takes it back") for x in s.holding(job) if x in s.reclaiming},
             "version": self._version,
             "seconds_below_asked": round(below, 3),
             **status,
