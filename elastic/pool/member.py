@@ -119,10 +119,13 @@ class PoolMember:
             why = "; ".join(sorted({lease["why"].get(s, "the pool takes it back") for s in leaving}))
         if self._hooks is None or not tell:
             return
-        if granted:
-            self._hooks.granted(granted)
-        if notice:
-            self._hooks.reclaim(notice, why)
+        try:
+            if granted:
+                self._hooks.granted(granted)
+            if notice:
+                self._hooks.reclaim(notice, why)
+        except Exception as err:  # noqa: BLE001 - the job's hook failed: logged; the lease is still followed
+            self._log.error("lease_hook_failed", granted=sorted(granted), reclaimed=sorted(notice), error=repr(err))
 
     def left(self, slices: Iterable[int]) -> None:
         """The job left these slices (its numbers): they go back to the pool."""

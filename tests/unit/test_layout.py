@@ -14,7 +14,7 @@ SIDES = {  # one way, top to bottom: api -> placements -> control -> loop -> sup
     "loop": {"supervision"},  # the pass runtime: the user's loop, in the client or a worker
     "control": {"supervision", "loop"},
     "placements": {"control", "supervision", "loop"},
-    "api": {"control", "supervision", "placements", "loop"},  # the composition root: what the user imports
+    "api": {"control", "supervision", "placements", "loop", "pool"},  # the composition root: what the user imports
     "chaos": {"api", "control", "supervision", "placements", "loop"},
     "ops": {"control", "supervision", "api", "pool"},
     "demos": {"api", "chaos", "control", "ops", "placements", "supervision", "loop"},
