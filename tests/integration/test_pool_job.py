@@ -1,6 +1,7 @@
 """A single-process job leasing its slices from a pool (ElasticConfig(pool=...)) on a real Ray: another job's lease
-takes two of its slices by notice (left at a step boundary, nothing recomputed), gives them back, and the job grows
-onto them again; a job that starts with fewer slices than it has runs on the lent ones only."""
+takes two of its slices by notice (left at a step boundary, nothing recomputed, the pool killed mid-reclaim and
+replayed), gives them back, and the job grows onto them again; a job that starts with fewer slices than it has runs
+on the lent ones only."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_reclaimed_by_notice_and_given_back(pool) -> None:
         if step == 8:
             threading.Thread(target=lambda: (high.join(60), joined.set()), daemon=True).start()
             until(lambda: _view(job).leaving == {2, 3}, 60, "the pool's reclaim delivered as a notice")
+            ray.kill(op.handle, no_restart=False)  # mid-reclaim: Ray restarts it, it replays its log, all goes on
         if step == 16:
             until(joined.is_set, 60, "the slices left and lent to the other job")
             assert op.call("lease", "low")["slices"] == [0, 1]
