@@ -23,7 +23,7 @@ from elastic.log import get_logger
 from elastic.supervision import credential
 from elastic.supervision.events import EventStream
 
-__all__ = ["Caller", "PoolGate", "pool_guarded", "user_credential"]
+__all__ = ["REFUSALS_WRITER", "Caller", "PoolGate", "pool_guarded", "user_credential"]
 
 REFUSALS_WRITER = "pool-refusals"
 REFUSALS_KEPT = 1_000
@@ -64,13 +64,14 @@ class PoolGate:
     def pool(self) -> str:
         return self._pool
 
-    def check(self, token: Any, user: Any, method: str) -> Caller:
-        """The caller, or ``AccessError``: the operator's token (with no ``user``), or ``user``'s credential."""
+    def check(self, token: Any, user: Any, method: str, *, operator: bool = False) -> Caller:
+        """The caller, or ``AccessError``: the operator's token (with no ``user``), or ``user``'s credential
+        (``operator``: the operator's only)."""
         if self._operator is None:
             return Caller(user=user if isinstance(user, str) else None)
         if user is None and credential.check(token, self._operator):
             return Caller(user=None)
-        if isinstance(user, str) and credential.check(token, self._users.get(user)):
+        if not operator and isinstance(user, str) and credential.check(token, self._users.get(user)):
             return Caller(user=user)
         self.refused += 1
         now = time.monotonic()
@@ -79,6 +80,8 @@ class PoolGate:
             self._written[method] = (written + 1, now)
             self._stream.append("refused_command", command=method[:64], refused=self.refused)
             self._log.warning("command_refused", command=method[:64], refused=self.refused)
+        if operator:
+            raise AccessError(f"{method[:64]} refused: only pool {self._pool!r}'s operator may call it")
         raise AccessError(
             f"{method[:64]} refused: it carries neither pool {self._pool!r}'s operator credential nor the credential "
             "of a user admitted to it (a user passes user= with their own)"
@@ -103,9 +106,7 @@ def pool_guarded(method: str, *, operator: bool = False) -> Callable[[F], F]:
         @functools.wraps(fn)
         async def checked(self: Gated, *args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(self, *args, **kwargs).arguments
-            caller = self.gate.check(bound.get("token"), bound.get("user"), method)
-            if operator and not caller.operator:
-                raise AccessError(f"{method} refused: only pool {self.gate.pool!r}'s operator may call it")
+            caller = self.gate.check(bound.get("token"), bound.get("user"), method, operator=operator)
             return await fn(self, *args, **{**kwargs, "caller": caller})
 
         return cast(F, checked)

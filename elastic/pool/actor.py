@@ -23,7 +23,7 @@ import ray
 
 from elastic.errors import AccessError, ConfigError
 from elastic.log import get_logger
-from elastic.pool.access import Caller, PoolGate, pool_guarded
+from elastic.pool.access import REFUSALS_WRITER, Caller, PoolGate, pool_guarded
 from elastic.pool.model import (
     Arrive,
     Event,
@@ -42,7 +42,7 @@ from elastic.pool.policy import decide, status_of
 from elastic.pool.replay import replay
 from elastic.snapshot.gated import gated_actor
 from elastic.supervision import credential
-from elastic.supervision.events import EventStream
+from elastic.supervision.events import EventStream, read, verify
 from elastic.supervision.journal import Journal
 
 __all__ = ["NAMESPACE", "Pool", "actor_name", "stream_name"]
@@ -71,8 +71,9 @@ class Pool:
         run: str,
         token: str | None = None,
     ) -> None:
-        self._name = name
+        self._name, self._run = name, run
         key = credential.derive(token, "stream") if token is not None else None
+        self._key = key
         stream = EventStream(stream_name(name), run, "pool", key=key)
         self.gate = PoolGate(name, stream_name(name), run, token, users)
         self._log = get_logger("elastic.pool.actor", pool=name)
@@ -292,11 +293,15 @@ class Pool:
     async def events(
         self, *, user: str | None = None, token: str | None = None, caller: Caller | None = None
     ) -> list[dict[str, Any]]:
-        """The pool's records: all of them for the operator; a user's own jobs' decisions, without the others'."""
+        """The pool's records: all of them for the operator (its refused calls too); a user's own jobs' decisions,
+        without the others'."""
         caller = _through_gate(caller)
         records = self._journal.records
         if caller.operator:
-            return records
+            refused = read(stream_name(self._name), self._run, writers=[REFUSALS_WRITER])
+            if self._key is not None:
+                refused, _ = verify(refused, self._key)
+            return sorted(records + refused, key=lambda r: (r["wall"], r["writer"], r["seq"]))
         mine = {n for n, e in self._state.jobs.items() if e.spec.user == caller.user}
         out = []
         for r in records:

@@ -69,7 +69,7 @@ def test_the_boundary_between_users(ray_local, pool) -> None:
         bob.call("lease", "a1")
     with pytest.raises(AccessError, match="as user 'alice'"):
         bob.call("submit", JobSpec(name="b1", user="alice"))
-    with pytest.raises(AccessError, match=f"slice_returned refused: .*pool '{name}'"):
+    with pytest.raises(AccessError, match=f"slice_returned refused: only pool '{name}''s operator"):
         bob.call("slice_returned", 0)
     status = bob.call("status")
     assert status["jobs"] == {} and status["held_by_others"] == 2
@@ -83,6 +83,8 @@ def test_the_boundary_between_users(ray_local, pool) -> None:
     with pytest.raises(ConfigError, match="min_slices=6 but the pool has 5"):
         alice.call("submit", JobSpec(name="a2", user="alice", min_slices=6, max_slices=6))
     assert identity.holder(actor_name(name), "elastic-pools") is not None
+    refused = [r["command"] for r in op.call("events") if r["kind"] == "refused_command"]
+    assert refused == ["slice_returned", "status"], "the operator sees the calls refused"
 
 
 def _try(pool, method, *args):
