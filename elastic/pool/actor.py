@@ -78,7 +78,7 @@ class Pool:
         self.gate = PoolGate(name, stream_name(name), run, token, users)
         self._log = get_logger("elastic.pool.actor", pool=name)
         state = replay(stream.mine(), size=size, quotas=quotas, key=key)
-        self._state, self._version = state.state, state.decisions
+        self._state, self._version = state.state, state.version
         self._journal = Journal(stream, state.records, epoch=lambda: self._version)
         if state.forged:
             self._journal.append({"kind": "forged_records_refused", "count": len(state.forged)})

@@ -2,7 +2,8 @@
 
 Each decision the pool carries out is written first as a ``decision`` record holding the whole state after it
 (:func:`~elastic.pool.model.state_to_dict`), so the newest record that verifies under the pool's stream key is where
-a restarted pool resumes, however many older records the stream has dropped. Records that do not verify are
+a restarted pool resumes, however many older records the stream has dropped; each record's ``epoch`` is the pool's
+version it was decided at, so versions go on from there. Records that do not verify are
 returned apart (forged); an unreadable state in a verified record is skipped, as a record of another writer would be.
 """
 
@@ -22,7 +23,8 @@ __all__ = ["Replayed", "replay"]
 @dataclass(frozen=True, kw_only=True)
 class Replayed:
     state: PoolState
-    decisions: int  # verified decisions in the log
+    decisions: int  # verified decisions in the log (the stream keeps the newest only)
+    version: int  # the pool's version after the newest: its decisions counted from the first, dropped ones too
     records: list[dict[str, Any]]
     forged: list[dict[str, Any]]
 
@@ -33,7 +35,7 @@ def replay(
     """The state the pool's records end in (a new pool of ``size`` slices and ``quotas`` when there is none)."""
     ordered = sorted(records, key=lambda r: (r["wall"], r["writer"], r["seq"]))
     good, forged = verify(ordered, key) if key is not None else (ordered, [])
-    state, decisions = new_state(size, quotas), 0
+    state, decisions, version = new_state(size, quotas), 0, 0
     for r in good:
         if r["kind"] != "decision":
             continue
@@ -42,4 +44,6 @@ def replay(
         except (ConfigError, KeyError, TypeError):
             continue
         decisions += 1
-    return Replayed(state=state, decisions=decisions, records=good, forged=forged)
+        epoch = r.get("epoch")
+        version = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else version + 1
+    return Replayed(state=state, decisions=decisions, version=version, records=good, forged=forged)

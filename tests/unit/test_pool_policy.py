@@ -277,3 +277,21 @@ def test_the_pool_actor_offers_its_gated_methods_only() -> None:
         ["events", "lease", "leave", "release", "resize", "slice_failed", "slice_returned", "status", "submit"]
         + ["wait_lease"]
     )
+
+
+def test_replay_resumes_from_the_newest_signed_decision() -> None:
+    from elastic.pool.replay import replay
+    from elastic.supervision.events import sign
+
+    p1 = run(new_state(4), job("a", hi=2))
+    p2 = decide(p1.state, job("b", hi=2))
+
+    def record(seq: int, plan: Plan, epoch: int) -> dict:
+        return {"wall": 1.0 + seq, "writer": "pool", "seq": seq, "kind": "decision", "epoch": epoch,
+                "state": state_to_dict(plan.state)}  # fmt: skip
+
+    older_dropped = [sign(record(7, p1, 40), "k"), sign(record(8, p2, 41), "k")]
+    forged = {**record(9, run(new_state(4), job("x", hi=4)), 42), "mac": "0" * 64}
+    r = replay([forged, *reversed(older_dropped)], size=4, quotas={}, key="k")
+    assert r.state == p2.state and r.version == 42 and r.decisions == 2 and r.forged == [forged]
+    assert replay([], size=3, quotas={"u": 1}, key="k").state == new_state(3, {"u": 1})
