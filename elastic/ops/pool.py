@@ -1,4 +1,4 @@
-"""``elastic pool start|status|events|stop``: the operator's and users' commands on a pool of slices.
+"""``elastic pool start|status|events|mark|stop``: the operator's and users' commands on a pool of slices.
 
 Each acts on the Ray cluster named by ``RAY_ADDRESS`` (a pool outlives the command: it needs a cluster of its own,
 not an embedded one). ``start`` makes the pool's operator credential and writes it, 0600, to
@@ -151,6 +151,19 @@ def _describe(record: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
+def _mark(args: argparse.Namespace) -> int:
+    pool = _pool(args, "mark")
+    version = pool.call("slice_failed" if args.failed else "slice_returned", args.slice)
+    what = "failed" if args.failed else "returned"
+    print(
+        json.dumps({"pool": args.name, "slice": args.slice, what: True, "version": version})
+        if args.json
+        else f"slice {args.slice} of pool {args.name!r} marked {what} (decision {version})",
+        flush=True,
+    )
+    return 0
+
+
 def _stop(args: argparse.Namespace) -> int:
     import ray
 
@@ -181,10 +194,16 @@ def register(sub: Any) -> None:
     for verb, func, text in (
         ("status", _status, "the pool's slices, jobs, holders, priorities, queue and seconds below asked"),
         ("events", _events, "the pool's decisions and why (a user sees their own jobs' only)"),
+        ("mark", _mark, "a slice failed (its holder's user or the operator) or returned (the operator)"),
         ("stop", _stop, "stop the pool and forget its actor records (its operator only)"),
     ):
         p = verbs.add_parser(verb, help=text)
         p.set_defaults(func=func)
+    mark = verbs.choices["mark"]
+    mark.add_argument("--slice", type=int, required=True, help="the pool's number of the slice")
+    state = mark.add_mutually_exclusive_group(required=True)
+    state.add_argument("--failed", action="store_true", help="it failed: a job with spares gets another")
+    state.add_argument("--returned", action="store_true", help="it is back: lent again by priority")
     for p in verbs.choices.values():
         p.add_argument("--name", required=True, help="the pool's name")
         p.add_argument(

@@ -1,5 +1,5 @@
-"""``elastic pool start|status|events|stop`` against a real Ray (the shared embedded cluster, named by RAY_ADDRESS):
-credentials from the files ``start`` wrote, a user's view of their own jobs only, errors in one line."""
+"""``elastic pool start|status|events|mark|stop`` against a real Ray (the shared embedded cluster, named by
+RAY_ADDRESS): credentials from the files ``start`` wrote, a user's view of their own jobs only, errors in one line."""
 
 from __future__ import annotations
 
@@ -52,6 +52,12 @@ def test_start_status_events_stop(cli_env, capsys) -> None:
         assert kinds == ["pool_started", "decision", "decision"]
         assert main(["pool", "events", "--name", name, "--user", "alice"]) == 0
         assert len(capsys.readouterr().out.splitlines()) == 2
+        assert main(["pool", "mark", "--name", name, "--slice", "0", "--failed", "--user", "alice", "--json"]) == 0
+        assert _json(capsys) == {"pool": name, "slice": 0, "failed": True, "version": 3}
+        assert main(["pool", "mark", "--name", name, "--slice", "0", "--returned", "--user", "alice"]) == 1
+        assert "only pool" in capsys.readouterr().err
+        assert main(["pool", "mark", "--name", name, "--slice", "0", "--returned"]) == 0
+        assert "marked returned (decision 4)" in capsys.readouterr().out
         assert main(["pool", "stop", "--name", name, "--user", "alice"]) == 2
         assert "operator's" in capsys.readouterr().err
     finally:
