@@ -196,12 +196,12 @@ class ElasticJob:
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
         if self.config.pool is not None:  # the pool lends the job its slices first (bounded, PoolError says why)
-            self._pool = PoolLease(
-                self.config,
-                notice=lambda slices, deadline_s, why: self.notice(slices, deadline_s, why, source="pool"),
-                spawn=lambda index: self.group.spawn_agent(index),  # a new agent: the job grows onto it
-            )
             try:
+                self._pool = PoolLease(
+                    self.config,
+                    notice=lambda slices, deadline_s, why: self.notice(slices, deadline_s, why, source="pool"),
+                    spawn=lambda index: self.group.spawn_agent(index),  # a new agent: the job grows onto it
+                )
                 self._pool.join()
             except BaseException:
                 self.close()

@@ -97,3 +97,13 @@ def test_a_job_starts_on_the_slices_lent_only(pool) -> None:
     r = result.report
     assert (r.recoveries, r.steps_recomputed, r.duplicate_steps, r.skipped_steps) == (0, 0, 0, 0), r
     assert r.slices_final == 4 and r.min_slices_seen == 2
+
+
+def test_a_pool_that_is_not_there_is_one_line(ray_local, monkeypatch) -> None:
+    from elastic.errors import ConfigError
+
+    monkeypatch.setenv("ELASTIC_POOL_USER", "alice")
+    monkeypatch.setenv("ELASTIC_POOL_TOKEN", "x" * 64)
+    job, _ = ledger_job("nopool", num_steps=N, pool="nosuchpool")
+    with pytest.raises(ConfigError, match="pool 'nosuchpool' is not running"):
+        job.start()
