@@ -1,8 +1,8 @@
 """The ``elastic`` command: ``elastic demo [--json] [--verify]``, ``elastic chaos --seed S --schedules N [--json]``,
 ``elastic plan --chips N --mtbf-hours-per-chip H [--json]``, and the operator's ``status``, ``events``, ``report``,
-``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``cleanup``,
-``wheel``/``submit`` (:mod:`elastic.ops.submit`) and ``slurm`` (:mod:`elastic.ops.slurm`); ``demo``, ``chaos``,
-``cleanup`` and ``plan`` are in :mod:`elastic.cli_commands`."""
+``inject`` (:mod:`elastic.ops.commands`), ``drain`` (:mod:`elastic.ops.drain`), ``pool`` (:mod:`elastic.ops.pool`),
+``cleanup``, ``wheel``/``submit`` (:mod:`elastic.ops.submit`) and ``slurm`` (:mod:`elastic.ops.slurm`); ``demo``,
+``chaos``, ``cleanup`` and ``plan`` are in :mod:`elastic.cli_commands`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import NoReturn
 from elastic import cli_commands as commands
 from elastic.ops import commands as ops_cli
 from elastic.ops import drain as drain_cli
+from elastic.ops import pool as pool_cli
 from elastic.ops import submit as submit_cli
 from elastic.ops.slurm import commands as slurm_cli
 
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     clean.set_defaults(func=commands.cleanup)
     ops_cli.register(sub)
     drain_cli.register(sub)
+    pool_cli.register(sub)
     submit_cli.register(sub)
     slurm_cli.register(sub)
     plan = sub.add_parser("plan", help="the snapshot interval that maximises goodput: Young-Daly and a simulation")

@@ -161,6 +161,11 @@ class ElasticConfig:
     drives every slice. With ``simulated``, each worker gets ``devices_per_slice`` forced CPU devices; without, each
     worker uses the devices Ray gives its process (``Processes.resources_per_worker``), which must number
     ``devices_per_slice``.
+
+    ``pool``: the name of a pool of slices (:mod:`elastic.pool`) the job leases its slices from, with its
+    ``priority`` (higher goes first), ``min_slices`` (the fewest it runs on; None: ``policy.min_slices``),
+    ``max_slices`` (the most it asks; None: ``num_slices``) and ``spares`` (how many of its failed slices the pool
+    replaces from lower-priority jobs). Without ``pool`` these four stay at their defaults.
     """
 
     job_name: str = "elastic"
@@ -183,6 +188,11 @@ class ElasticConfig:
     processes: Processes | None = None
     steps_in_flight: int | None = None
     notices: NoticeSources = NoticeSources()
+    pool: str | None = None
+    priority: int = 0
+    min_slices: int | None = None
+    max_slices: int | None = None
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if (
@@ -221,6 +231,47 @@ class ElasticConfig:
             _count("global_batch_size", self.global_batch_size, what="an integer of at least 1, or None")
         if self.processes is not None:
             _instance("processes", self.processes, Processes)
+        self._check_pool()
+
+    def _check_pool(self) -> None:
+        if self.pool is None:
+            given = [n for n, v in (("priority", self.priority), ("spares", self.spares)) if v != 0]
+            given += [n for n in ("min_slices", "max_slices") if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} a pool job's: set pool= to the pool's "
+                    "name too, or leave them out"
+                )
+            return
+        if not isinstance(self.pool, str) or not self.pool or not all(c.isalnum() or c in "-_." for c in self.pool):
+            raise ConfigError(f"pool must be a pool's name (letters, digits, '-', '_' or '.'), got {self.pool!r}")
+        _count("priority", self.priority, -(2**31), maximum=2**31, what="an integer (higher goes first)")
+        _count("spares", self.spares, 0, what="0 or more")
+        low, high = self.pool_min_slices, self.pool_max_slices
+        _count("min_slices", low, what="an integer of at least 1, or None for policy.min_slices")
+        _count("max_slices", high, what="an integer of at least 1, or None for num_slices")
+        if high > self.num_slices:
+            raise ConfigError(
+                f"max_slices={high} is above num_slices={self.num_slices}: the job runs on at most num_slices; "
+                f"lower max_slices or raise num_slices"
+            )
+        if low > high:
+            raise ConfigError(f"min_slices={low} is above max_slices={high}: lower min_slices or raise max_slices")
+        if low < self.policy.min_slices:
+            raise ConfigError(
+                f"min_slices={low} is below policy.min_slices={self.policy.min_slices}: the pool could lend the job "
+                "fewer slices than it runs on; raise min_slices or lower policy.min_slices"
+            )
+
+    @property
+    def pool_min_slices(self) -> int:
+        """The fewest slices the pool must lend this job for it to run: ``min_slices``, or ``policy.min_slices``."""
+        return self.policy.min_slices if self.min_slices is None else self.min_slices
+
+    @property
+    def pool_max_slices(self) -> int:
+        """The most slices it asks of the pool: ``max_slices``, or ``num_slices``."""
+        return self.num_slices if self.max_slices is None else self.max_slices
 
     @property
     def mode(self) -> str:

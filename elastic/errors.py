@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "GiveUpError",
     "NoticeError",
+    "PoolError",
     "RecoveryTimeoutError",
     "SupervisorError",
     "SupervisorLostError",
@@ -72,3 +73,8 @@ class ClusterError(ElasticError, ConnectionError):
 class NoticeError(ElasticError, ValueError):
     """A notice that a slice is leaving was refused (a slice the job does not hold, a deadline already past, or a
     notice that is not well formed); the job is unharmed."""
+
+
+class PoolError(ElasticError):
+    """A job's lease from a pool of slices could not be had (the pool is not there, or the job waited past its
+    bound for its minimum; the message says why it waits)."""

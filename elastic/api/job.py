@@ -19,6 +19,7 @@ import structlog
 from jax.sharding import Mesh
 
 from elastic import runtime
+from elastic.api.pool_lease import PoolLease
 from elastic.config import ElasticConfig, check_batch_splits
 from elastic.control import orbax_io
 from elastic.control.accounting import Accounting
@@ -99,6 +100,8 @@ class ElasticJob:
     ) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
+        if config.pool is not None and config.processes is not None:
+            raise ConfigError("pool= is built for single-process jobs so far: leave out processes=, or pool=")
         for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a callable, got {fn!r}")
@@ -162,6 +165,7 @@ class ElasticJob:
         self._group: ActorGroup | None = None
         self._watcher: ViewWatcher | None = None
         self._ray_started = False
+        self._pool: PoolLease | None = None  # with config.pool: the job's lease of its slices
         self.controller: Controller | None = None  # the controller of the current (or last) run
 
     # -- set-up ----------------------------------------------------------------------------
@@ -191,6 +195,17 @@ class ElasticJob:
         self._ray_started = connect(self._ray_address)
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
+        if self.config.pool is not None:  # the pool lends the job its slices first (bounded, PoolError says why)
+            try:
+                self._pool = PoolLease(
+                    self.config,
+                    notice=lambda slices, deadline_s, why: self.notice(slices, deadline_s, why, source="pool"),
+                    spawn=lambda index: self.group.spawn_agent(index),  # a new agent: the job grows onto it
+                )
+                self._pool.join()
+            except BaseException:
+                self.close()
+                raise
         token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
         try:
             agents = self._mode.agents(token)
@@ -214,6 +229,9 @@ class ElasticJob:
         self._watcher = ViewWatcher(
             self._group.supervisor, View(), job=self.config.job_name, lost_after_s=supervisor_lost_after_s(self.config)
         )
+        if self._pool is not None:
+            self._acct.commit_sinks.append(self._pool.committed)
+            self._pool.start()  # the slices not lent are left before the first step
         return self
 
     def _start_tiers(self) -> None:
@@ -232,6 +250,9 @@ class ElasticJob:
     def close(self) -> None:
         """Stop the watcher, kill the job's actors (keepers included), revive simulated slices, and stop Ray
         if started here. Only a client that dies without closing leaves its keepers for a successor."""
+        if self._pool is not None:  # every slice back to the pool
+            self._pool.close()
+            self._pool = None
         self._mode.close()
         if self._watcher is not None:
             self._watcher.stop()

@@ -26,8 +26,9 @@ __all__ = ["Notice", "SOURCES", "make_notice", "move_bound", "past_deadline", "r
 # Where a notice may come from: a Python call (``api``), the operator's ``elastic drain`` (``operator``), a Ray node
 # drain read from the GCS (``ray_drain``, :mod:`elastic.supervision.drains`), a host's metadata server
 # (``maintenance``, :mod:`elastic.supervision.maintenance`), a signal to a slice's worker process (``sigterm``,
-# :mod:`elastic.placements.signal_notice`).
-SOURCES = ("api", "ray_drain", "sigterm", "maintenance", "operator")
+# :mod:`elastic.placements.signal_notice`), a pool of slices taking one back for another job (``pool``,
+# :mod:`elastic.pool.member`).
+SOURCES = ("api", "ray_drain", "sigterm", "maintenance", "operator", "pool")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,12 +10,13 @@ ELASTIC = ROOT / "elastic"
 # What each side of elastic/ may import of elastic's other sides (the top-level modules are shared by all).
 SIDES = {  # one way, top to bottom: api -> placements -> control -> loop -> supervision (and ops, chaos beside)
     "supervision": set(),  # runs in Ray actors: nothing of the client's
+    "pool": {"supervision"},  # the pool of slices many jobs share: a Ray actor beside the jobs' supervisors
     "loop": {"supervision"},  # the pass runtime: the user's loop, in the client or a worker
     "control": {"supervision", "loop"},
     "placements": {"control", "supervision", "loop"},
-    "api": {"control", "supervision", "placements", "loop"},  # the composition root: what the user imports
+    "api": {"control", "supervision", "placements", "loop", "pool"},  # the composition root: what the user imports
     "chaos": {"api", "control", "supervision", "placements", "loop"},
-    "ops": {"control", "supervision", "api"},
+    "ops": {"control", "supervision", "api", "pool"},
     "demos": {"api", "chaos", "control", "ops", "placements", "supervision", "loop"},
     "examples": {"api", "demos", "ops", "chaos", "control", "loop"},
 }
