@@ -33,8 +33,10 @@ event goes to :func:`elastic.pool.policy.decide`, and the simulation carries out
   policy: checkpoints, snapshots, detection, rescheduling.
 * ``utilization``: slice-seconds spent on committed steps (the steps of each job's final history) over the
   healthy slice-seconds of the trace; ``goodput`` per job: committed step time over its wall time since arrival
-  (its start included); ``slices_counted_twice``: moments at which two jobs ran on one slice, or a job on a
-  failed slice (0).
+  (its start included); ``slices_counted_twice``: moments at which two jobs ran on one slice, a job on a
+  failed slice, or on one not lent to it (0); per job, ``failures_hit`` (losses that cost it steps),
+  ``evictions``, ``restarts`` (the baselines') and ``below_min`` (times it stopped below its minimum).
+  ``across_seeds``: the same for ``--seeds`` traces from ``--seed`` on.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class Job:
     saved: int = 0  # steps kept by the newest snapshot (elastic) or checkpoint
     started: bool = False
     counts: dict[str, int] = field(
-        default_factory=lambda: {"failures_hit": 0, "evictions": 0, "restarts": 0, "suspended": 0}
+        default_factory=lambda: {"failures_hit": 0, "evictions": 0, "restarts": 0, "below_min": 0}
     )
 
     def step_s(self, n: int) -> float:
@@ -157,6 +159,7 @@ class Sim:
         for e in trace:
             self._push(e.t, e)
         self.on_left: Callable[[Job, dict[int, float | None]], None] = lambda job, gone: None
+        self.audit: Callable[[], None] = lambda: None  # a policy's own check, after each event
 
     def _push(self, t: float, item: Any) -> None:
         self.seq += 1
@@ -177,11 +180,12 @@ class Sim:
                 if token == job.token:
                     self._timer(job)
             self._check()
+            self.audit()
 
     def _check(self) -> None:
         seen: set[int] = set()
         for job in self.jobs.values():
-            if job.mesh & seen or job.mesh & self.down or not job.mesh <= job.held:
+            if job.mesh & seen or job.mesh & self.down or not job.mesh | set(job.leaving) <= job.held:
                 self.twice += 1
             seen |= job.mesh
 
@@ -212,11 +216,9 @@ class Sim:
             self.on_left(job, gone)  # the policy may lend it more at once (a hot swap)
         mesh = frozenset(s for s in job.held if s in job.mesh or s not in job.leaving)
         if len(mesh) < job.spec.min_slices:
-            job.mesh, job.mode = frozenset(), "wait"
-            job.token += 1
-            job.counts["suspended"] += 1
             if not job.elastic:
                 job.saved = len(job.lineage)  # it checkpoints at the boundary before it stops
+            self._stop(job)
         elif mesh != job.mesh:
             job.mesh = mesh
             if job.elastic:
@@ -227,6 +229,16 @@ class Sim:
                 self._after(job, RESTART_S, "pause")
         else:
             self._after(job, job.step_s(len(mesh)), "step")
+
+    def _stop(self, job: Job) -> None:
+        """Below its minimum the job waits; it lets the slices it was told to leave go at once."""
+        job.mesh, job.mode = frozenset(), "wait"
+        job.token += 1
+        job.counts["below_min"] += 1
+        gone, job.leaving = job.leaving, {}
+        job.held -= set(gone)
+        if gone:
+            self.on_left(job, gone)
 
     def maybe_start(self, job: Job) -> None:
         """A waiting job with its minimum lent starts (first), resumes (elastic) or restarts (from a checkpoint)."""
@@ -267,8 +279,7 @@ class Sim:
         self.lose(job, evicted=False)
         job.mesh = job.mesh - {s}
         if len(job.mesh) < job.spec.min_slices:
-            job.mesh, job.mode = frozenset(), "wait"
-            job.token += 1
+            self._stop(job)
         else:
             job.counts["restarts"] += not job.elastic
             cost = RECOVERY_S if job.elastic else RESTART_S
@@ -319,7 +330,7 @@ class Ours:
         self.decisions, self.mismatches, self.busy = 0, 0, False
         self.queue: list[PoolEvent] = []
         self.noticed: set[int] = set()  # announced to go, still in use by their holder
-        sim.on_left = self.left
+        sim.on_left, sim.audit = self.left, self.audit
 
     def submit(self, *events: PoolEvent) -> None:
         self.queue += events
@@ -332,11 +343,14 @@ class Ours:
             self.decisions += 1
             for r in plan.reclaims:  # a notice: left at the holder's next step boundary (at once if it waits)
                 job = self.sim.jobs[r.job]
-                if job.mode == "wait":
-                    job.held -= r.slices
-                    self.queue.append(Release(job=r.job, slices=r.slices))
-                else:
-                    job.leaving.update({s: None for s in r.slices})
+                mine = frozenset(r.slices & job.held)  # the rest it has left already: their events are queued
+                if job.mode == "wait" and mine:
+                    job.held -= mine
+                    for s in mine:
+                        job.leaving.pop(s, None)
+                    self.left(job, dict.fromkeys(mine))
+                elif job.mode != "wait":
+                    job.leaving.update({s: None for s in mine})
             for name, slices in plan.cancels.items():
                 job = self.sim.jobs[name]
                 for s in slices:
@@ -346,8 +360,10 @@ class Ours:
                 self.sim.jobs[name].held |= slices
                 self.sim.maybe_start(self.sim.jobs[name])
         self.busy = False
-        for name, job in self.sim.jobs.items():  # the simulation's leases are the pool's
-            self.mismatches += job.held != set(self.state.holding(name))
+
+    def audit(self) -> None:
+        """After each event: the simulation's leases are the pool's."""
+        self.mismatches += any(j.held != set(self.state.holding(n)) for n, j in self.sim.jobs.items())
 
     def left(self, job: Job, gone: dict[int, float | None]) -> None:
         noticed = set(gone) & self.noticed
