@@ -180,13 +180,14 @@ class PassWatch:
                     lost.add(s)
                     self._lost(s, plan, died=ref in dead, reason=view.reason)  # alive but silent: ended for good
                 continue
-            if stop is None and view.epoch != plan.view.epoch:
-                stop = view
+            final = host.stopping is not None
+            if stop is None and (view.epoch != plan.view.epoch or final):
+                stop = plan.view if final else view  # the job stops: it saves on the view it runs on
                 at = next_step + STOP_MARGIN_STEPS
                 if at < self.config.num_steps:
-                    self._acct.timeline.add("stop_requested", epoch=plan.view.epoch, before_step=at)
+                    self._acct.timeline.add("stop_requested", epoch=plan.view.epoch, before_step=at, final=final)
                     for s in pending.values():
-                        handles[s].request_stop.remote(plan.epoch, at, view)
+                        handles[s].request_stop.remote(plan.epoch, at, stop, final=final)
         return self._end(plan, results, lost, seen, host, run, stop)
 
     def _end(
@@ -241,6 +242,13 @@ class PassWatch:
         if all(r.ending is Ending.FINISHED for r in results.values()):
             passes.final = plan
             return PassEnd()
+        stopped = [r for r in results.values() if r.ending is Ending.STOPPED]
+        if stopped and len(stopped) == len(results):  # the job stopped at a step boundary, its state saved
+            passes.final = plan
+            persisted = {r.persisted for r in stopped}
+            return PassEnd(
+                stopped_at=max(r.next_step for r in stopped), persisted=persisted.pop() if len(persisted) == 1 else None
+            )
         assert stop is not None
         return PassEnd(regroup=stop, live=True)
 
