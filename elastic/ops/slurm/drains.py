@@ -7,6 +7,10 @@ asks for a one-node job to replace it, as for a lost node.
 Slurm's drain has no deadline (running jobs go on, no new one starts there): ``deadline_s`` (``elastic slurm run
 --drain-deadline``) is the warning the job takes. The head's own node cannot leave (it runs the driver and the Ray
 head): its drain is logged, not forwarded.
+
+A SIGTERM to a node's task (``elastic slurm start``) takes the same path: the node asks for it in the job dir
+(:meth:`~elastic.ops.slurm.allocation.JobDir.request_leave`, with its deadline) and :meth:`SlurmDrains.leave`
+drains its Ray node.
 """
 
 from __future__ import annotations
@@ -77,7 +81,23 @@ class SlurmDrains:
                 self._log.info("slurm_drain_forwarded", node=node, reason=reason, deadline_s=self._deadline_s)
         return done
 
-    def _drain(self, node_id: str, reason: str) -> bool:
+    def leave(self, nodes: dict[str, str], requests: dict[str, tuple[float, str]]) -> list[str]:
+        """Drain the Ray node of each Slurm node asked to leave (``requests``: node -> (deadline, reason)) by its
+        deadline; ``nodes`` as for :meth:`poll`. Returns the nodes drained."""
+        done = []
+        for node, (deadline, reason) in sorted(requests.items()):
+            if node not in nodes or self.forwarded.get(node):
+                self._log.info("slurm_leave_skipped", node=node, why="not a Ray node of the job, or drained already")
+                continue
+            if self._drain(nodes[node], f"{reason} ({node})", deadline=deadline):
+                self.forwarded[node] = nodes[node]
+                done.append(node)
+                self._log.info(
+                    "slurm_leave_forwarded", node=node, reason=reason, deadline_s=round(deadline - time.time(), 1)
+                )
+        return done
+
+    def _drain(self, node_id: str, reason: str, deadline: float | None = None) -> bool:
         from ray.core.generated import autoscaler_pb2
 
         from elastic.supervision.ray_internals import gcs_client
@@ -87,7 +107,7 @@ class SlurmDrains:
             node_id,
             autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),  # type: ignore[attr-defined]
             reason,
-            int((time.time() + self._deadline_s) * 1000),
+            int((deadline or time.time() + self._deadline_s) * 1000),
         )
         if not accepted:
             self._log.warning("slurm_drain_refused_by_ray", node_id=node_id, why=str(why)[:200])
