@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-slice", type=int, default=2)
     p.add_argument("--snapshot-every", type=int, default=5)
     p.add_argument("--persistent-every", type=int, default=10)
+    p.add_argument("--keeper-every", type=int, default=2, help="snapshots to the keepers every N (0: no keepers)")
     p.add_argument("--persistent-dir", help="the Orbax tier (default: orbax/ in the job dir)")
     p.add_argument("--pace", type=float, default=0.0, help="seconds a step takes at least")
     p.add_argument(
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulated=args.simulated,
         policy=Policy(min_slices=args.min_slices, repair_timeout_s=60.0),
         tiers=Tiers(
-            keeper_every=2,
+            keeper_every=args.keeper_every,
             persistent_dir=args.persistent_dir or os.path.join(job_dir, "orbax"),
             persistent_every=args.persistent_every,
         ),

@@ -108,3 +108,17 @@ def test_drained_nodes_from_scontrol_with_their_reasons():
     ]
     assert drained(lines) == {"n2": "disk failing", "n3": "maintenance"}
     assert drained([]) == {}
+
+
+def test_down_nodes_from_scontrol() -> None:
+    from elastic.ops.slurm.drains import down
+
+    lines = [
+        "NodeName=n1 State=MIXED ThreadsPerCore=1",
+        "NodeName=n2 State=MIXED+DRAIN Reason=disk failing",
+        "NodeName=n3 State=IDLE+POWERED_DOWN",
+        "NodeName=n4 State=DOWN+NOT_RESPONDING Reason=elastic-test [root@2026-12-07T05:01:00]",
+        "NodeName=n5 State=DOWN* Reason=Not responding",
+        "NodeName=n6 State=FAIL Reason=bad",
+    ]
+    assert down(lines) == {"n4", "n5", "n6"} and down([]) == set()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["SlurmDrains", "drained"]
+__all__ = ["SlurmDrains", "down", "drained"]
 
 _NODE = re.compile(r"NodeName=(\S+)")
 _STATE = re.compile(r"\bState=(\S+)")
@@ -40,6 +40,18 @@ def drained(scontrol_lines: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def down(scontrol_lines: Iterable[str]) -> set[str]:
+    """The nodes ``scontrol -o show node`` lists as down or failed (``scontrol update state=down``, a slurmd that
+    stopped answering): lost to the job before Ray's own health checks say so. Pure."""
+    out = set()
+    for line in scontrol_lines:
+        node, state = _NODE.search(line), _STATE.search(line)
+        base = state.group(1).upper().split("+")[0].rstrip("*~#!%$@^-") if state else ""
+        if node is not None and base in ("DOWN", "FAIL"):  # its base state (POWERED_DOWN is a flag: not lost)
+            out.add(node.group(1))
+    return out
+
+
 class SlurmDrains:
     """Forwards each Slurm drain of a node of the job's Ray cluster (once per node) as a Ray drain."""
 
@@ -49,16 +61,18 @@ class SlurmDrains:
         self._deadline_s = deadline_s
         self._log = log
         self.forwarded: dict[str, str] = {}  # Slurm node -> the Ray node drained for it
+        self.down: set[str] = set()  # the job's nodes Slurm said were down at the last poll
 
     def poll(self, nodes: dict[str, str]) -> list[str]:
         """``nodes``: Slurm node name -> its Ray node id, for the job's Ray nodes alive. Returns the Slurm nodes newly
-        forwarded. A failing ``scontrol`` is logged and tried again at the next poll."""
+        forwarded; notes those Slurm says are down (``down``). A failing ``scontrol`` is logged and tried again at the
+        next poll."""
         fresh = {n: i for n, i in nodes.items() if n not in self.forwarded}
-        if not fresh:
+        if not nodes:
             return []
         try:
             found = subprocess.run(
-                ["scontrol", "-o", "show", "node", ",".join(sorted(fresh))],
+                ["scontrol", "-o", "show", "node", ",".join(sorted(nodes))],
                 capture_output=True,
                 text=True,
                 timeout=20,
@@ -67,6 +81,7 @@ class SlurmDrains:
         except (OSError, subprocess.SubprocessError) as err:
             self._log.warning("slurm_drain_poll_failed", error=str(err)[:200])
             return []
+        self.down = down(found)
         done = []
         for node, reason in sorted(drained(found).items()):
             if node not in fresh:

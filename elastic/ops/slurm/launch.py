@@ -40,7 +40,7 @@ from elastic.ops.slurm.regrow import Hold, RegrowPolicy, decide_regrow, queued_j
 __all__ = ["run_allocation", "start_node"]
 
 POLL_S = 1.0
-DRAIN_POLL_S = 3.0  # how often the head asks Slurm which nodes are drained
+DRAIN_POLL_S = 2.0  # how often the head asks Slurm which nodes are drained or down
 START_ATTEMPTS = 3
 log = get_logger("elastic.ops.slurm")
 
@@ -216,12 +216,13 @@ def _drive(
                 stopping = True
                 proc.send_signal(signal.SIGTERM)
                 bound.warning("slurm_stop_forwarded", reason=why, pid=proc.pid)
-            alive, joined_jobs, nodes = _hosts()
+            alive, joined_jobs, nodes = _hosts(drains.down)
             drains.leave(nodes, job_dir.take_leaves())  # a node's task signalled: a notice for its slice
             now = time.monotonic()
             if now - polled >= DRAIN_POLL_S:  # a Slurm drain of a node: a Ray drain, which the job takes as a notice
                 polled = now
                 drains.poll(nodes)
+                alive, joined_jobs, nodes = _hosts(drains.down)  # a node Slurm set down is lost: no Ray timeout
             below_since = (below_since or now) if alive < node.num_nodes else None
             queued = [j for j, _ in queued_joins(job_dir.job_name) if j not in joined_jobs] if below_since else []
             choice = decide_regrow(
@@ -247,9 +248,9 @@ def _drive(
         ray.shutdown()
 
 
-def _hosts() -> tuple[int, set[str], dict[str, str]]:
-    """The job's Ray nodes up (alive and not draining: a drained node is as good as lost), the Slurm job ids they
-    came from, and each alive one's Slurm node name -> Ray node id."""
+def _hosts(down: set[str] | frozenset[str] = frozenset()) -> tuple[int, set[str], dict[str, str]]:
+    """The job's Ray nodes up (alive, not draining and not on a Slurm node in ``down``: such a node is as good as
+    lost), the Slurm job ids they came from, and each alive one's Slurm node name -> Ray node id."""
     import ray
 
     from elastic.supervision.ray_internals import draining_nodes
@@ -260,8 +261,9 @@ def _hosts() -> tuple[int, set[str], dict[str, str]]:
         res = n.get("Resources", {})
         if not (n.get("Alive") and res.get(HOST_RESOURCE)):
             continue
-        names.update({k.removeprefix("slurm_node_"): n["NodeID"] for k in res if k.startswith("slurm_node_")})
-        if n["NodeID"] in draining:
+        named = {k.removeprefix("slurm_node_") for k in res if k.startswith("slurm_node_")}
+        names.update({name: n["NodeID"] for name in named})
+        if n["NodeID"] in draining or named & down:
             continue
         alive += 1
         jobs |= {k.removeprefix("slurm_job_") for k in res if k.startswith("slurm_job_")}
