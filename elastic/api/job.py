@@ -80,7 +80,7 @@ class ElasticJob:
     directory the final state is written to with Orbax at the end (see :mod:`elastic.control.orbax_io`).
     ``record_dir`` (default ``$ELASTIC_RECORD_DIR``): at close, the run's event stream and report are written
     to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.supervision.events`).
-    ``stop_signal`` (e.g. ``"SIGTERM"``): while ``run`` runs, that signal to this process is :meth:`stop` (a second
+    ``stop_signal`` (e.g. ``"SIGTERM"``): while ``run`` runs, that signal to this process is :meth:`stop` (a later
     one ends the process); None (the default) leaves the signal's handling alone.
     """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.control.stop_signal import StopOnSignal, check_signal
+from elastic.control.stop_signal import SAME_SIGNAL_S, StopOnSignal, check_signal
 from elastic.control.transitions import Finish, Machine, State, Stopped, transition
 from elastic.errors import ConfigError
 from elastic.supervision.membership import View
@@ -24,7 +24,7 @@ def test_a_stop_signal_must_be_one_a_process_can_catch(name) -> None:
         check_signal(name)
 
 
-def test_the_first_signal_stops_and_a_second_ends_the_process() -> None:
+def test_the_first_signal_stops_and_a_later_one_ends_the_process() -> None:
     asked: list[str] = []
 
     class Log:
@@ -34,6 +34,10 @@ def test_the_first_signal_stops_and_a_second_ends_the_process() -> None:
     handler = StopOnSignal("SIGUSR1", asked.append, Log())
     handler._handle(10, None)
     assert asked and "SIGUSR1" in asked[0]
+    handler._handle(10, None)  # the same request delivered twice (a process tree signalled, and forwarded)
+    assert len(asked) == 1
+    assert handler.first_at is not None
+    handler.first_at -= SAME_SIGNAL_S
     with pytest.raises(SystemExit) as ended:
         handler._handle(10, None)
     assert ended.value.code == 138 and len(asked) == 1
