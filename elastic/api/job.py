@@ -30,6 +30,7 @@ from elastic.control.job_events import ClientEvents
 from elastic.control.metrics import JobMetrics
 from elastic.control.placement import JobMode, Placement
 from elastic.control.report import Ledger, Report, Timeline
+from elastic.control.stop_signal import StopOnSignal, check_signal
 from elastic.control.tokens import job_token
 from elastic.control.watcher import ViewWatcher, supervisor_lost_after_s
 from elastic.errors import ConfigError, ElasticError, NoticeError
@@ -80,6 +81,8 @@ class ElasticJob:
     directory the final state is written to with Orbax at the end (see :mod:`elastic.control.orbax_io`).
     ``record_dir`` (default ``$ELASTIC_RECORD_DIR``): at close, the run's event stream and report are written
     to ``<record_dir>/<job_name>/<run>/`` (the stream itself lives in Ray's GCS, see :mod:`elastic.supervision.events`).
+    ``stop_signal`` (e.g. ``"SIGTERM"``): while ``run`` runs, that signal to this process is :meth:`stop` (a later
+    one ends the process); None (the default) leaves the signal's handling alone.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class ElasticJob:
         init_from: str | os.PathLike | None = None,
         save_final_to: str | os.PathLike | None = None,
         record_dir: str | os.PathLike | None = None,
+        stop_signal: str | None = None,
     ) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
@@ -106,6 +110,8 @@ class ElasticJob:
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a callable, got {fn!r}")
         self.config = config
+        self._stop_signal = check_signal(stop_signal)
+        self._stop_reason: str | None = None
         self._init_fn = init_fn
         self._mesh_fn = mesh_fn
         self._faults = faults
@@ -195,30 +201,22 @@ class ElasticJob:
         self._ray_started = connect(self._ray_address)
         # Ray metrics (elastic.control.metrics): always on once connected to Ray, cheap per step, never raise
         JobMetrics(self.config.job_name, snapshot_stats=self._snapshot_stats).attach(self._acct)
-        if self.config.pool is not None:  # the pool lends the job its slices first (bounded, PoolError says why)
-            try:
+        try:
+            if self.config.pool is not None:  # the pool lends the job its slices first (bounded, PoolError says why)
                 self._pool = PoolLease(
                     self.config,
                     notice=lambda slices, deadline_s, why: self.notice(slices, deadline_s, why, source="pool"),
                     spawn=lambda index: self.group.spawn_agent(index),  # a new agent: the job grows onto it
                 )
                 self._pool.join()
-            except BaseException:
-                self.close()
-                raise
-        token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
-        try:
+            token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
             agents = self._mode.agents(token)
-        except ConfigError:
-            self.close()
-            raise
-        self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
-        try:
+            self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
             # The keepers' processes start while the agents do, and only once the job is this client's: a client
             # refused at launch never touches (nor, closing, kills) another client's keepers.
             self._group.launch(owned=self._start_tiers)
             self._mode.ready()
-        except BaseException:
+        except BaseException:  # what start opened is closed before the error goes on
             self.close()
             raise
         if self._client_events is None:  # this client's share of the job's event stream
@@ -316,6 +314,14 @@ class ElasticJob:
         self._log.warning("notice_taken", slices=sorted(notice.slices), source=source, epoch=view.epoch)
         return notice
 
+    def stop(self, reason: str = "stop requested") -> None:
+        """Stop at the next step boundary the job can reach: the state there is saved to the persistent tier
+        (``Tiers.persistent_dir``; whatever ``persistent_every`` says) and ``run`` returns, its report's ``stopped``
+        saying the step (a job started again from that tier resumes there, nothing recomputed). From any thread."""
+        self._stop_reason = reason
+        if self.controller is not None:
+            self.controller.request_stop(reason)
+
     @property
     def group(self) -> ActorGroup:
         """The job's Ray actors (supervisor, agents); raises ``ElasticError`` before the job is started."""
@@ -357,8 +363,11 @@ class ElasticJob:
             on_step=self._on_step,
             during_prepare=self.during_prepare,
         )
+        if self._stop_reason is not None:  # asked before the run began
+            controller.request_stop(self._stop_reason)
         try:
-            result = controller.run(loop)
+            with StopOnSignal(self._stop_signal, self.stop, self._log):
+                result = controller.run(loop)
             if self._save_final_to is not None:
                 placement.save_final(str(self._save_final_to))
                 self._acct.timeline.add("saved_final", step=self.config.num_steps, path=str(self._save_final_to))

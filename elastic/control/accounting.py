@@ -152,6 +152,13 @@ class Accounting:
         self.timeline.add(what, epoch=new.epoch, slices=len(new.active), reason=new.reason)
 
     # -- the end -------------------------------------------------------------------------------
+    def stopped(self, *, at_step: int, persisted: int | None, reason: str) -> None:
+        """The job stopped at the step boundary before ``at_step``, its state saved to the persistent tier there
+        (``persisted``: that step; None: the job has no persistent tier)."""
+        self.report.stopped = {"at_step": at_step, "persisted_step": persisted, "reason": reason}
+        self.timeline.add("stopped", step=at_step, persisted_step=persisted, reason=reason)
+        _log.warning("job_stopped", at_step=at_step, persisted_step=persisted, reason=reason)
+
     def finish(self, view: View) -> Report:
         r = self.report
         r.slices_final = len(view.active)
@@ -159,7 +166,8 @@ class Accounting:
         r.steps_committed = len(self.ledger.steps)
         r.steps_recomputed = self.ledger.recomputed
         r.duplicate_steps = self.ledger.duplicates()
-        r.skipped_steps = self.ledger.skipped(self.num_steps)
+        stopped = r.stopped["at_step"] if r.stopped else None
+        r.skipped_steps = self.ledger.skipped(self.num_steps if stopped is None else stopped)
         r.final_loss = self.last_loss
         r.wall_seconds = round(time.time() - self.timeline.start, 3)
         self.timeline.add("finished", steps=r.steps_committed, slices=r.slices_final)

@@ -47,6 +47,7 @@ from elastic.control.transitions import (
     Ready,
     RunPass,
     Started,
+    Stopped,
     ViewSeen,
     transition,
 )
@@ -102,6 +103,7 @@ class Controller:
         self._failure = ("", False)  # the last recoverable failure: its cause, and whether a step hung
         self._leftovers: BaseException | None = None  # the last failure, until its frames are freed off this thread
         self._reports: list[tuple[frozenset[int], dict[int, int] | None, Any]] = []  # (slices, incarnations, reply)
+        self._stopping: str | None = None  # why the job stops at the next step boundary (``request_stop``)
         self._stall = StallReporter(config.step_wait_s(first=True), log=self._log, timeline=accounting.timeline)
 
     # -- the driver ----------------------------------------------------------------------------
@@ -243,6 +245,9 @@ class Controller:
             end = self._placement.run_pass(loop, self)
         finally:
             self._stall.idle()
+        if end.stopped_at is not None:
+            self._acct.stopped(at_step=end.stopped_at, persisted=end.persisted, reason=self._stopping or "")
+            return Stopped(end.stopped_at)
         if end.regroup is not None:
             self._acct.regrouped(view, end.regroup)
             late = past_deadline(end.regroup.notices, time.time())
@@ -303,10 +308,21 @@ class Controller:
         )
         return ViewSeen(view)
 
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary the pass can reach, saving the state to the persistent tier there (from
+        any thread; once: a second request keeps the first reason)."""
+        if self._stopping is None:
+            self._stopping = reason or "stop requested"
+            self._acct.timeline.add("stop_asked", reason=self._stopping)
+
     # -- what the placement calls (elastic.control.placement.PlacementHost) ----------------------
     @property
     def view(self) -> View:
         return self._watcher.view
+
+    @property
+    def stopping(self) -> str | None:
+        return self._stopping
 
     def before_step(self, step: int) -> None:
         self._stall.progress(step)

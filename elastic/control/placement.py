@@ -56,11 +56,14 @@ class Placed:
 class PassEnd:
     """A pass that ended without an error: the loop returned (``regroup`` None), or it stopped at a step
     boundary because the view changed (``regroup``: the new view; ``live``: the state at the boundary was
-    kept, so it moves instead of being restored)."""
+    kept, so it moves instead of being restored), or because the job stops (``stopped_at``: the boundary's step,
+    the next one to run; ``persisted``: the step saved to the Orbax tier there, None without one)."""
 
     regroup: View | None = None
     live: bool = False
     value: Any = None  # what the loop returned
+    stopped_at: int | None = None
+    persisted: int | None = None
 
 
 class PlacementHost(Protocol):
@@ -74,6 +77,10 @@ class PlacementHost(Protocol):
 
     def snapshot_meta(self, extras: dict[str, Any]) -> dict[str, Any]:
         """The controller's state for a snapshot taken now: the ledger as runs, ``extras``, the clients' pids."""
+
+    @property
+    def stopping(self) -> str | None:
+        """Why the job stops at the next step boundary it can reach (``ElasticJob.stop``); None while it runs on."""
 
     @property
     def view(self) -> View:

@@ -122,6 +122,9 @@ class Report:
     # per notice acted on: source, reason, slices, lead_s (its warning), running_on_rest_s (from the notice to the
     # first step committed without its slices), steps_recomputed, planned (left at a boundary, not by the failure path)
     notice_details: list[dict[str, Any]] = field(default_factory=list)
+    # the job was asked to stop (ElasticJob.stop): the step it stopped before, the step saved to the persistent tier
+    # there (None: no such tier), and why; None for a run that went to its last step
+    stopped: dict[str, Any] | None = None
     final_loss: float | None = None
     wall_seconds: float = 0.0
     timeline: list[dict[str, Any]] = field(default_factory=list)

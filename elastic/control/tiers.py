@@ -118,6 +118,16 @@ class TierSet:
         if self._persistent is not None and self._persistent.due(step):
             self._persistent.save(step, state, meta)
 
+    def persist(self, step: int, state: Any, meta: dict[str, Any]) -> int | None:
+        """The job stops before ``step``: save there to the persistent tier whatever ``persistent_every`` says
+        (unless saved already) and wait until it is durable. The step saved; None without a persistent tier."""
+        if self._persistent is None:
+            return None
+        if self._persistent.latest_step() != step:
+            self._persistent.save(step, state, meta)
+        self._persistent.wait()
+        return step
+
     def _completed(self, info: SnapshotInfo) -> None:
         """On the snapshot thread, after each complete generation: feed the keepers every R-th one.
 

@@ -5,6 +5,7 @@ what state comes next and which action the controller's executors carry out. The
 as a sequence of states::
 
     STARTING --Started--> RESTORING --Ready--> RUNNING --LoopReturned--> FINISHED
+    RUNNING --Stopped(the job was asked to stop: its state saved at a step boundary)--> FINISHED
     RUNNING --Boundary(bigger view)--> GROWING --Ready--> RUNNING
     RUNNING --Boundary(smaller view)--> RESHARDING --Ready--> RUNNING
     RUNNING --Boundary(a view leaving slices on notice)--> LEAVING --Ready--> RUNNING
@@ -43,6 +44,7 @@ __all__ = [
     "RunPass",
     "Started",
     "State",
+    "Stopped",
     "ViewSeen",
     "transition",
 ]
@@ -96,6 +98,13 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class Stopped:
+    """The job was asked to stop (``ElasticJob.stop``) and its pass ended at the step boundary before ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Failed:
     cause: str  # a slice-loss error or a hung step, classified by runtime.classify_failure
 
@@ -118,7 +127,7 @@ class ViewSeen:
     view: View
 
 
-Event = Started | Ready | LoopReturned | Boundary | Failed | Noted | Probed | ViewSeen
+Event = Started | Ready | LoopReturned | Stopped | Boundary | Failed | Noted | Probed | ViewSeen
 
 
 # -- actions ------------------------------------------------------------------------------------
@@ -203,6 +212,10 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
             f"the loop returned before committing step {event.last_step} (last committed: "
             f"{last}): iterate run.steps to the end",
         )
+    if isinstance(event, Stopped):
+        if s is not State.RUNNING:
+            raise _bad(machine, event)
+        return replace(machine, state=State.FINISHED), Finish()
     if isinstance(event, Boundary):
         if s is not State.RUNNING:
             raise _bad(machine, event)

@@ -6,7 +6,10 @@ injected: what happens to it is what happens to the allocation. One worker per s
 of); no standby group (it would need spare nodes). The Orbax tier is on, in the job dir (``$ELASTIC_SLURM_JOB_DIR``):
 a job resubmitted under the same name resumes from it. ``--pace`` makes each step take at least that long
 (``--pace-degraded``: while the job runs on fewer slices than it asked for), so a short run lasts long enough to
-lose a node and get one back. One line per committed step on stdout
+lose a node and get one back. SIGTERM to this process (``elastic slurm run`` sends it when the batch step is
+signalled, ``--signal=B:TERM@secs``) saves the state to the Orbax tier at the next step boundary and ends the run
+(``ElasticJob(stop_signal="SIGTERM")``): a job submitted again under the same name resumes there. One line per
+committed step on stdout
 (``step N committed on K slices``), and the report as JSON at the end (``--verify``: with the final parameters'
 distance to a failure-free plain jax + optax run).
 """
@@ -14,6 +17,7 @@ distance to a failure-free plain jax + optax run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -51,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-slice", type=int, default=2)
     p.add_argument("--snapshot-every", type=int, default=5)
     p.add_argument("--persistent-every", type=int, default=10)
+    p.add_argument("--keeper-every", type=int, default=2, help="snapshots to the keepers every N (0: no keepers)")
     p.add_argument("--persistent-dir", help="the Orbax tier (default: orbax/ in the job dir)")
     p.add_argument("--pace", type=float, default=0.0, help="seconds a step takes at least")
     p.add_argument(
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulated=args.simulated,
         policy=Policy(min_slices=args.min_slices, repair_timeout_s=60.0),
         tiers=Tiers(
-            keeper_every=2,
+            keeper_every=args.keeper_every,
             persistent_dir=args.persistent_dir or os.path.join(job_dir, "orbax"),
             persistent_every=args.persistent_every,
         ),
@@ -99,13 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"step {step} committed on {len(run.slices)} slices", flush=True)
 
     started = time.monotonic()
-    with ElasticJob(config, init_fn=init_state, on_step=on_step) as job:
+    with ElasticJob(config, init_fn=init_state, on_step=on_step, stop_signal="SIGTERM") as job:
         result = job.run(paced_loop(args.pace, args.pace_degraded, args.slices))
     report = result.report.to_dict()
     report["job_seconds"] = round(time.monotonic() - started, 2)
     report["slurm_job_id"] = os.environ.get("SLURM_JOB_ID")
-    if args.verify:
-        params, _ = reference_params(spec)
+    if args.verify:  # against a failure-free run of as many steps (those before the stop, if it stopped)
+        stopped = report.get("stopped")
+        params, _ = reference_params(dataclasses.replace(spec, steps=stopped["at_step"]) if stopped else spec)
         report["max_abs_param_diff_vs_reference"] = max_abs_diff(result.state["params"], params)
     report.pop("timeline", None)
     print(json.dumps(report, default=str), flush=True)

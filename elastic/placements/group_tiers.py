@@ -117,6 +117,18 @@ class GroupTiers:
         if self.persistent is not None and self.persistent.due(next_step):
             self.persistent.save(next_step, state, {**meta, **self._shape_meta})
 
+    def persist(self, next_step: int, state: Any, meta: dict[str, Any]) -> int | None:
+        """The job stops before ``next_step``: save ``state`` there to the Orbax tier whatever ``persistent_every``
+        says (unless that step is saved already) and wait until it is durable. The step saved, or None without an
+        Orbax tier. Every member calls it at the same boundary (the save is collective)."""
+        tier = self.persistent
+        if tier is None:
+            return None
+        if tier.latest_step() != next_step:
+            tier.save(next_step, state, {**meta, **self._shape_meta})
+        tier.wait()
+        return next_step
+
     def close(self, *, timeout_s: float = 300.0) -> None:
         """Close the group's Orbax tier, waiting (up to ``timeout_s``) for a save in flight to end."""
         tier, self.persistent = self.persistent, None

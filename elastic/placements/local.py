@@ -159,6 +159,8 @@ class LocalPlacement:
 
         def changed(next_step: int) -> View | None:
             now = host.view
+            if host.stopping is not None:  # the job stops at this boundary: the pass ends on the view it runs on
+                return view
             return None if now.epoch == epoch else now
 
         pass_host = PassHost(
@@ -177,7 +179,12 @@ class LocalPlacement:
         try:
             value = loop(run)
         except Regroup as regroup:
-            self._live = regroup.live
+            live = self._live = regroup.live
+            if host.stopping is not None and live is not None:  # the job's final snapshot, to the persistent tier
+                meta = host.snapshot_meta(copy.deepcopy(live.extras))
+                return PassEnd(
+                    stopped_at=live.next_step, persisted=self._tiers.persist(live.next_step, live.state, meta)
+                )
             return PassEnd(regroup=regroup.view, live=regroup.live is not None)
         finally:
             self._state, self._newest = run.state, run.newest_state

@@ -27,6 +27,7 @@ class Ending(enum.Enum):
 
     FINISHED = "finished"  # the loop ran to its end (a join: the group formed, the state in place)
     REGROUP = "regroup"  # left at a step boundary for a new view (a regroup)
+    STOPPED = "stopped"  # left at a step boundary because the job stops there (its final snapshot taken)
     PEER_LOST = "peer_lost"  # a peer process of the group was lost (or the driver aborted the pass for one)
     HUNG = "hung"  # a step did not finish within the step timeout
     ERROR = "error"  # an error of the worker's own: the job fails with it
@@ -97,6 +98,7 @@ class PassOutcome:
     compile_seconds: float = 0.0
     snapshots: dict[str, Any] = field(default_factory=dict)  # the worker's snapshot counters
     ledger: dict[str, Any] | None = None  # the ledger as runs, when the pass did not fail
+    persisted: int | None = None  # ``STOPPED``: the step saved to the Orbax tier (None: the job has no such tier)
     first_commit_at: float | None = None
     first_step_compile_seconds: float | None = None
     first_step_phases: dict[str, float | None] | None = None

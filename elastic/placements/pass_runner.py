@@ -36,7 +36,7 @@ __all__ = ["DRIVER_LEASE_S", "PassRunner", "Prepared"]
 DRIVER_LEASE_S = 5.0  # a pass stops when the driver has not read its progress for this long (the driver died)
 
 Prepared = tuple[Any, Any, int, dict[str, Any], Ledger]  # mesh, state, first step, the loop's extras, the ledger
-Save = Callable[[GroupPlan, Ledger, int, Any, dict[str, Any]], None]
+Save = Callable[..., Any]  # (plan, ledger, next_step, state, extras, *, final): final saves to the Orbax tier now
 
 
 @dataclass(kw_only=True)
@@ -52,6 +52,7 @@ class _Record:
     first_step_compile_seconds: float | None = None
     first_step_phases: dict[str, float | None] | None = None
     commits: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)  # metrics as the loop gave them
+    persisted: int | None = None  # the step of the final Orbax save, when the job stopped
 
 
 class PassRunner:
@@ -70,7 +71,8 @@ class PassRunner:
         self._epoch = -1
         self._aborted = threading.Event()
         self._ended: threading.Event | None = None
-        self._stop_at: dict[int, tuple[int, View]] = {}  # epoch -> (the step the group stops before, the new view)
+        # epoch -> (the step the group stops before, the new view, whether the job stops there)
+        self._stop_at: dict[int, tuple[int, View, bool]] = {}
         self.next_step = 0
         self._commits: list[tuple[int, int, dict[str, Any]]] = []  # this pass's commits, in order
         self._calls: list[tuple[bytes, Any]] = []  # jitted calls recorded for standby compiles
@@ -108,9 +110,9 @@ class PassRunner:
     def renew(self) -> None:
         self._polled = time.monotonic()
 
-    def request_stop(self, epoch: int, step: int, view: View) -> bool:
+    def request_stop(self, epoch: int, step: int, view: View, final: bool = False) -> bool:
         with self._lock:
-            self._stop_at[epoch] = (step, view)
+            self._stop_at[epoch] = (step, view, final)
             return not (self._epoch == epoch and self.next_step > step)
 
     def abort(self, epoch: int) -> bool:
@@ -168,6 +170,7 @@ class PassRunner:
             compile_seconds=round(self.compile_s, 4),
             snapshots=self._holdings.stats(wait_s=30.0 if ending is Ending.FINISHED else 0.0),
             ledger=None if aborted_now else record.ledger,
+            persisted=record.persisted,
             first_commit_at=record.first_commit_at,
             first_step_compile_seconds=record.first_step_compile_seconds,
             first_step_phases=record.first_step_phases,
@@ -240,8 +243,13 @@ class PassRunner:
         try:
             self._loop_of(plan)(run)
             record.ending, record.ledger = Ending.FINISHED, ledger.to_meta()
-        except Regroup:
+        except Regroup as regroup:
             record.ending, record.ledger = Ending.REGROUP, ledger.to_meta()
+            stop = self._stop_at.get(plan.epoch)
+            if stop is not None and stop[2] and regroup.live is not None and not aborted.is_set():
+                live = regroup.live  # the job stops here: its final snapshot, to the Orbax tier
+                record.persisted = self._save(plan, ledger, live.next_step, live.state, live.extras, final=True)
+                record.ending = Ending.STOPPED
         finally:
             with self._lock:  # an abandoned pass (aborted) ends late: it must not replace a later pass's state
                 if not aborted.is_set():

@@ -126,6 +126,7 @@ class PassWatch:
         seen = 0  # commits of this pass accounted so far
         next_step = plan.step or 0
         stop: View | None = None
+        leavers: dict[int, float] = {}  # slices on notice in any view seen during the pass -> their deadline
         passes = self._passes
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
@@ -170,7 +171,9 @@ class PassWatch:
                     self._prepare_standby(len(plan.members))
             host.before_step(next_step)  # the drill's driver-side faults (a revive), the stall reporter
             view = host.view
-            staying = view.leaving - _past(view.notices, time.time())  # a leaver past its deadline is gone, hung or not
+            for notice in view.notices:  # a later view (a grow, another notice) no longer names the earlier leavers
+                leavers.update({s: notice.deadline for s in notice.slices & view.leaving if s not in leavers})
+            staying = {s for s, deadline in leavers.items() if deadline > time.time()}  # past it: gone, hung or not
             gone = {ref: s for ref, s in pending.items() if s not in view.active and s not in staying}
             if gone and view.gave_up is None:  # the supervisor dropped a member still in the pass: end the pass
                 failed_at = time.time()
@@ -180,13 +183,14 @@ class PassWatch:
                     lost.add(s)
                     self._lost(s, plan, died=ref in dead, reason=view.reason)  # alive but silent: ended for good
                 continue
-            if stop is None and view.epoch != plan.view.epoch:
-                stop = view
+            final = host.stopping is not None
+            if stop is None and (view.epoch != plan.view.epoch or final):
+                stop = plan.view if final else view  # the job stops: it saves on the view it runs on
                 at = next_step + STOP_MARGIN_STEPS
                 if at < self.config.num_steps:
-                    self._acct.timeline.add("stop_requested", epoch=plan.view.epoch, before_step=at)
+                    self._acct.timeline.add("stop_requested", epoch=plan.view.epoch, before_step=at, final=final)
                     for s in pending.values():
-                        handles[s].request_stop.remote(plan.epoch, at, view)
+                        handles[s].request_stop.remote(plan.epoch, at, stop, final=final)
         return self._end(plan, results, lost, seen, host, run, stop)
 
     def _end(
@@ -241,6 +245,13 @@ class PassWatch:
         if all(r.ending is Ending.FINISHED for r in results.values()):
             passes.final = plan
             return PassEnd()
+        stopped = [r for r in results.values() if r.ending is Ending.STOPPED]
+        if stopped and len(stopped) == len(results):  # the job stopped at a step boundary, its state saved
+            passes.final = plan
+            persisted = {r.persisted for r in stopped}
+            return PassEnd(
+                stopped_at=max(r.next_step for r in stopped), persisted=persisted.pop() if len(persisted) == 1 else None
+            )
         assert stop is not None
         return PassEnd(regroup=stop, live=True)
 
@@ -261,8 +272,3 @@ def _progress(handles: dict[int, Any], pending: Iterable[int], since: int) -> di
         except Exception:  # noqa: BLE001 - a dead, stopped or busy worker: ask the next
             continue
     return None
-
-
-def _past(notices: Iterable[Any], now: float) -> frozenset[int]:
-    """The slices of ``notices`` whose deadline has passed by ``now``."""
-    return frozenset(s for n in notices if n.deadline <= now for s in n.slices)

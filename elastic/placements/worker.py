@@ -199,10 +199,11 @@ class SliceWorker:
         check_control(self._control, token, "renew", self._log)
         self._runner.renew()
 
-    def request_stop(self, epoch: int, step: int, view: View, token: str | None = None) -> bool:
-        """Stop group ``epoch`` before ``step`` (a step boundary), for ``view``. False if this worker is past it."""
+    def request_stop(self, epoch: int, step: int, view: View, final: bool = False, token: str | None = None) -> bool:
+        """Stop group ``epoch`` before ``step`` (a step boundary), for ``view`` (``final``: the job stops there, its
+        state saved to the Orbax tier). False if this worker is past it."""
         check_control(self._control, token, "request_stop", self._log)
-        return self._runner.request_stop(epoch, step, view)
+        return self._runner.request_stop(epoch, step, view, final)
 
     def abort(self, epoch: int, token: str | None = None) -> bool:
         """End group ``epoch``'s pass now (a member was lost): ``run_pass`` returns ``PEER_LOST`` at once, and the
@@ -313,9 +314,15 @@ class SliceWorker:
         ]
         return runtime.build_mesh(slices, self._spec.mesh_fn)
 
-    def _save(self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any]) -> None:
+    def _save(
+        self, plan: GroupPlan, ledger: Ledger, next_step: int, state: Any, extras: dict[str, Any], final: bool = False
+    ) -> int | None:
+        """A snapshot resuming at ``next_step``; ``final``: the job stops there, to the Orbax tier now (its step)."""
         meta = {"ledger": ledger.to_meta(), "extras": extras, "pids": list(plan.pids), "seed": self._config.seed}
+        if final:
+            return self._tiers.persist(next_step, state, meta)
         self._tiers.save(next_step, state, meta)
+        return None
 
     # -- one pass of the loop ------------------------------------------------------------------------------------------
     def run_pass(self, plan: GroupPlan, token: str | None = None) -> PassOutcome:

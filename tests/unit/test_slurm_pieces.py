@@ -80,6 +80,20 @@ def test_the_template_keeps_the_job_when_a_node_fails() -> None:
     assert text.startswith("#!/bin/bash")
     for line in ("#SBATCH --no-kill", "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "elastic slurm run"):
         assert line in text
+    assert "#SBATCH --signal=B:TERM@" in text  # the time limit's warning: the job saves and stops
+
+
+def test_the_job_dirs_stop_and_leave_requests(tmp_path) -> None:
+    job_dir = JobDir(tmp_path, "job")
+    job_dir.create()
+    assert job_dir.stop_request("7") is None and job_dir.take_leaves() == {}
+    job_dir.request_stop("7", "SIGTERM to the batch step")
+    job_dir.request_leave("n3", 123.5, "SIGTERM to the task on n3")
+    assert job_dir.stop_request("7") == "SIGTERM to the batch step" and job_dir.stop_request("8") is None
+    assert job_dir.take_leaves() == {"n3": (123.5, "SIGTERM to the task on n3")}
+    assert job_dir.take_leaves() == {}  # each request is taken once
+    job_dir.clear_done("7")  # a requeued run (same job id) starts with no stop asked
+    assert job_dir.stop_request("7") is None
 
 
 def test_drained_nodes_from_scontrol_with_their_reasons():
@@ -94,3 +108,17 @@ def test_drained_nodes_from_scontrol_with_their_reasons():
     ]
     assert drained(lines) == {"n2": "disk failing", "n3": "maintenance"}
     assert drained([]) == {}
+
+
+def test_down_nodes_from_scontrol() -> None:
+    from elastic.ops.slurm.drains import down
+
+    lines = [
+        "NodeName=n1 State=MIXED ThreadsPerCore=1",
+        "NodeName=n2 State=MIXED+DRAIN Reason=disk failing",
+        "NodeName=n3 State=IDLE+POWERED_DOWN",
+        "NodeName=n4 State=DOWN+NOT_RESPONDING Reason=elastic-test [root@2026-12-07T05:01:00]",
+        "NodeName=n5 State=DOWN* Reason=Not responding",
+        "NodeName=n6 State=FAIL Reason=bad",
+    ]
+    assert down(lines) == {"n4", "n5", "n6"} and down([]) == set()

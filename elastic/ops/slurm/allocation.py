@@ -4,7 +4,9 @@
 :class:`JobDir` is ``<dir>/<job name>/`` on the filesystem every node shares (where Slurm writes the job's output):
 the head writes ``head.json`` there (the Ray address, the run's Slurm job id), the other nodes and any one-node
 job that joins later read it, and the head writes ``done.<slurm job id>`` with the entry point's exit status when
-it ends. The cluster's token file lives there too (0600 in a 0700 directory): only the job's user can join.
+it ends. Two requests reach the head the same way: ``stop.<slurm job id>`` (the batch step was signalled: the job
+saves and stops) and ``leave.<node>`` (a node's task was signalled: its slice leaves by the deadline written).
+The cluster's token file lives there too (0600 in a 0700 directory): only the job's user can join.
 """
 
 from __future__ import annotations
@@ -137,7 +139,36 @@ class JobDir:
         self._write_json(f"done.{slurm_job_id}", {"exit_code": exit_code, "ended": time.time()})
 
     def clear_done(self, slurm_job_id: str) -> None:
-        (self.path / f"done.{slurm_job_id}").unlink(missing_ok=True)  # a requeued run keeps its job id
+        """Forget a run's end and stop request (a requeued run keeps its job id)."""
+        (self.path / f"done.{slurm_job_id}").unlink(missing_ok=True)
+        (self.path / f"stop.{slurm_job_id}").unlink(missing_ok=True)
+
+    def request_stop(self, slurm_job_id: str, reason: str) -> None:
+        """Ask run ``slurm_job_id``'s head to stop the job (save to the persistent tier at a step boundary)."""
+        self._write_json(f"stop.{slurm_job_id}", {"reason": reason, "at": time.time()})
+
+    def stop_request(self, slurm_job_id: str) -> str | None:
+        """Why run ``slurm_job_id`` was asked to stop; None while it was not."""
+        try:
+            return str(json.loads((self.path / f"stop.{slurm_job_id}").read_text())["reason"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def request_leave(self, node_name: str, deadline: float, reason: str) -> None:
+        """Ask the head to take ``node_name`` off the job by ``deadline`` (wall clock): a notice for its slice."""
+        self._write_json(f"leave.{node_name}", {"deadline": deadline, "reason": reason})
+
+    def take_leaves(self) -> dict[str, tuple[float, str]]:
+        """The nodes asked to leave (node -> (deadline, reason)), each request removed as it is read."""
+        out = {}
+        for path in sorted(self.path.glob("leave.*")):
+            try:
+                found = json.loads(path.read_text())
+                out[path.name.removeprefix("leave.")] = (float(found["deadline"]), str(found["reason"]))
+            except (OSError, ValueError, KeyError):
+                continue  # half written: read at the next poll
+            path.unlink(missing_ok=True)
+        return out
 
     def exit_code(self, slurm_job_id: str) -> int | None:
         """The entry point's exit status once that run's head ended; None while it runs."""

@@ -138,7 +138,8 @@ def _node_options(p: argparse.ArgumentParser) -> None:
         "--drain-deadline",
         type=float,
         default=60.0,
-        help="seconds of warning a Slurm drain of a node gives the job (it leaves the node at a step boundary)",
+        help="seconds of warning a Slurm drain of a node, or a SIGTERM to its task, gives the job (it leaves the "
+        "node at a step boundary)",
     )
     p.add_argument("--nodes-timeout", type=float, default=300.0, help="seconds for every node to join at start")
     p.add_argument("--head-timeout", type=float, default=300.0, help="seconds for the head to come up")

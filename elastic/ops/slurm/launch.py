@@ -7,6 +7,15 @@ cluster), its output in Slurm's. While it runs the head follows the job's node c
 :class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits one-node jobs that join the cluster
 (``start --join``) to replace lost nodes. When it ends the head writes its exit status to the job dir, and every
 other node (joined ones too) stops its Ray node and ends. ``run`` exits with the entry point's status.
+
+SIGTERM, the first one (a second ends a task at once, its Ray node stopped hard):
+
+- to the batch step (``--signal=B:TERM@secs``: the time limit comes): ``run`` asks the head to stop the job; the
+  head sends SIGTERM to the entry point, which saves to the persistent tier at the next step boundary and ends
+  (``ElasticJob(stop_signal="SIGTERM")``);
+- to a node's task: the node asks the head to drain its Ray node, by ``--drain-deadline`` (a notice: its slice
+  leaves at a step boundary), and stops once its Ray node has ended (drained and idle) or the deadline has passed;
+- to the head's task: the head's node cannot leave (it runs the driver and the Ray head): the job stops, as above.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from elastic.ops.slurm.regrow import Hold, RegrowPolicy, decide_regrow, queued_j
 __all__ = ["run_allocation", "start_node"]
 
 POLL_S = 1.0
-DRAIN_POLL_S = 3.0  # how often the head asks Slurm which nodes are drained
+DRAIN_POLL_S = 2.0  # how often the head asks Slurm which nodes are drained or down
 START_ATTEMPTS = 3
 log = get_logger("elastic.ops.slurm")
 
@@ -41,17 +50,23 @@ def _temp_dir(node: SlurmNode, joined: bool) -> Path:
     return Path(tempfile.gettempdir()) / f"ej{node.job_id}{'j' if joined else ''}-{node.node_name}"
 
 
-def _on_sigterm() -> list[bool]:
-    """Slurm ends a task with SIGTERM (scancel, a lost node, the time limit), then SIGKILL: unwind at once, and
-    stop the Ray node hard (the returned flag says it was so)."""
-    flag = [False]
+class _Signals:
+    """SIGTERM to this task: the first is recorded (a request to leave or to stop, acted on by the task's loop), a
+    second unwinds at once (Slurm SIGKILLs what is left after its ``KillWait``)."""
 
-    def handler(signum: int, frame: Any) -> None:
-        flag[0] = True
-        raise SystemExit(128 + signum)
+    def __init__(self) -> None:
+        self.count = 0
+        signal.signal(signal.SIGTERM, self._handle)
 
-    signal.signal(signal.SIGTERM, handler)
-    return flag
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise SystemExit(128 + signum)
+
+    @property
+    def hard(self) -> bool:
+        """Stop the Ray node hard: Slurm is ending the task (a process whose parent died first is no longer its)."""
+        return self.count > 1
 
 
 def run_allocation(job_dir: JobDir, cmd: Sequence[str], start_args: Sequence[str]) -> int:
@@ -62,9 +77,23 @@ def run_allocation(job_dir: JobDir, cmd: Sequence[str], start_args: Sequence[str
     srun = ["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", f"--nodes={node.num_nodes}"]
     start = [sys.executable, "-m", "elastic.cli", "slurm", "start", "--dir", str(job_dir.path.parent)]
     start += ["--job", job_dir.job_name, *start_args, "--", *cmd]
-    code = subprocess.call([*srun, *start])
+    signals = _Signals()  # --signal=B:TERM@secs reaches this process alone: the job saves and stops
+    proc = subprocess.Popen([*srun, *start])
+    asked = False
+    while (code := _wait(proc, POLL_S)) is None:
+        if signals.count and not asked:
+            asked = True
+            job_dir.request_stop(node.job_id, "SIGTERM to the batch step")
+            log.warning("slurm_stop_requested", job=job_dir.job_name, slurm_job=node.job_id)
     found = job_dir.exit_code(node.job_id)
     return found if found is not None else (code or 1)
+
+
+def _wait(proc: subprocess.Popen[Any], timeout_s: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict[str, Any]) -> int:
@@ -73,10 +102,13 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
     job_dir.create()
     ip = node_address(node.node_name)
     bound = log.bind(job=job_dir.job_name, slurm_job=node.job_id, node=node.node_name)
-    terminated = _on_sigterm()
+    signals = _Signals()
     if join or node.node_index > 0:
         head = job_dir.wait_head(slurm_job_id=None if join else node.job_id, timeout_s=options["head_timeout_s"])
+        leave_by: float | None = None  # the deadline this node asked to leave by (SIGTERM to its task)
         for attempt in range(1, START_ATTEMPTS + 1):  # a Ray node that fails to start (a busy head) starts again
+            if signals.count:
+                break
             ray_node = RayNode(
                 ip=ip,
                 temp_dir=_temp_dir(node, join),
@@ -89,10 +121,17 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             bound.info("slurm_node_started", head=head["address"], joined=join, attempt=attempt)
             try:
                 while ray_node.alive() and job_dir.exit_code(head["slurm_job_id"]) is None:
+                    if signals.count and leave_by is None:  # a notice for this node's slice, then stop
+                        leave_by = time.time() + options.get("drain_deadline_s", 60.0)
+                        job_dir.request_leave(node.node_name, leave_by, f"SIGTERM to the task on {node.node_name}")
+                        bound.warning("slurm_node_leaving", deadline_s=options.get("drain_deadline_s", 60.0))
+                    if leave_by is not None and time.time() > leave_by:
+                        bound.warning("slurm_node_leave_deadline_passed")
+                        break
                     time.sleep(POLL_S / 2)
             finally:
-                ray_node.stop(hard=terminated[0])
-            if job_dir.exit_code(head["slurm_job_id"]) is not None:
+                ray_node.stop(hard=signals.hard)
+            if leave_by is not None or job_dir.exit_code(head["slurm_job_id"]) is not None:
                 break
             bound.warning("slurm_node_exited", attempt=attempt, log=ray_node.log_tail(400))
         bound.info("slurm_node_stopped")
@@ -100,6 +139,7 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
     if cmd == []:
         raise ClusterError("the head needs an entry point: elastic slurm start ... -- python train.py")
     token = job_dir.new_token()
+    job_dir.take_leaves()  # a previous run's requests
     for attempt in range(1, START_ATTEMPTS + 1):  # ray start gives its raylet 30 s to register: a busy host needs more
         head_node = RayNode(
             ip=ip,
@@ -114,7 +154,7 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             break
         except ClusterError as err:
             head_node.stop(hard=True)
-            if attempt == START_ATTEMPTS:
+            if attempt == START_ATTEMPTS or signals.count:
                 job_dir.mark_done(node.job_id, 1)
                 raise
             bound.warning("slurm_head_exited", attempt=attempt, error=str(err)[-400:])
@@ -122,16 +162,22 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
     try:
         job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         bound.info("slurm_head_started", address=head_node.address, nodes=node.num_nodes)
-        code = _drive(job_dir, node, head_node, cmd, options, bound)
+        code = _drive(job_dir, node, head_node, cmd, options, bound, signals)
     finally:
         job_dir.mark_done(node.job_id, code)
-        head_node.stop(hard=terminated[0])
+        head_node.stop(hard=signals.hard)
         bound.info("slurm_head_stopped", exit_code=code)
     return code
 
 
 def _drive(
-    job_dir: JobDir, node: SlurmNode, head: RayNode, cmd: Sequence[str], options: dict[str, Any], bound: Any
+    job_dir: JobDir,
+    node: SlurmNode,
+    head: RayNode,
+    cmd: Sequence[str],
+    options: dict[str, Any],
+    bound: Any,
+    signals: _Signals,
 ) -> int:
     # before ray's import, which reads RAY_AUTH_MODE
     os.environ.update({k: v for k, v in ray_env(job_dir.token_path, {}).items() if k.startswith("RAY_")})
@@ -162,13 +208,21 @@ def _drive(
         submitted: list[str] = []
         below_since: float | None = None
         last = ""
+        stopping = False
         while proc.poll() is None:
             time.sleep(POLL_S)
-            alive, joined_jobs, nodes = _hosts()
+            why = job_dir.stop_request(node.job_id) or ("SIGTERM to the head's task" if signals.count else None)
+            if why and not stopping:  # the entry point saves to the persistent tier at a step boundary and ends
+                stopping = True
+                proc.send_signal(signal.SIGTERM)
+                bound.warning("slurm_stop_forwarded", reason=why, pid=proc.pid)
+            alive, joined_jobs, nodes = _hosts(drains.down)
+            drains.leave(nodes, job_dir.take_leaves())  # a node's task signalled: a notice for its slice
             now = time.monotonic()
             if now - polled >= DRAIN_POLL_S:  # a Slurm drain of a node: a Ray drain, which the job takes as a notice
                 polled = now
                 drains.poll(nodes)
+                alive, joined_jobs, nodes = _hosts(drains.down)  # a node Slurm set down is lost: no Ray timeout
             below_since = (below_since or now) if alive < node.num_nodes else None
             queued = [j for j, _ in queued_joins(job_dir.job_name) if j not in joined_jobs] if below_since else []
             choice = decide_regrow(
@@ -194,9 +248,9 @@ def _drive(
         ray.shutdown()
 
 
-def _hosts() -> tuple[int, set[str], dict[str, str]]:
-    """The job's Ray nodes up (alive and not draining: a drained node is as good as lost), the Slurm job ids they
-    came from, and each alive one's Slurm node name -> Ray node id."""
+def _hosts(down: set[str] | frozenset[str] = frozenset()) -> tuple[int, set[str], dict[str, str]]:
+    """The job's Ray nodes up (alive, not draining and not on a Slurm node in ``down``: such a node is as good as
+    lost), the Slurm job ids they came from, and each alive one's Slurm node name -> Ray node id."""
     import ray
 
     from elastic.supervision.ray_internals import draining_nodes
@@ -207,8 +261,9 @@ def _hosts() -> tuple[int, set[str], dict[str, str]]:
         res = n.get("Resources", {})
         if not (n.get("Alive") and res.get(HOST_RESOURCE)):
             continue
-        names.update({k.removeprefix("slurm_node_"): n["NodeID"] for k in res if k.startswith("slurm_node_")})
-        if n["NodeID"] in draining:
+        named = {k.removeprefix("slurm_node_") for k in res if k.startswith("slurm_node_")}
+        names.update({name: n["NodeID"] for name in named})
+        if n["NodeID"] in draining or named & down:
             continue
         alive += 1
         jobs |= {k.removeprefix("slurm_job_") for k in res if k.startswith("slurm_job_")}
