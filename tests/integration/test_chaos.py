@@ -77,12 +77,12 @@ def test_chaos_cli_on_the_demo(ray_local):
 
 
 @pytest.mark.timeout(300)
-def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(monkeypatch):
+def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(monkeypatch, ray_local):
     """Each group the driver forms hosts a coordination service, whose native log warned at each one (and logged an
     error for a group a fault kept from forming): a quiet run prints its own progress lines only."""
     err: list[str] = []
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # what a parent that imported jax passes on (jax's default)
-    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", "--steps", "16", stderr=err)
+    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", "--steps", "16", stderr=err, join=True)
     assert_survived(out, 1)
     assert len(err) == 1 and err[0].startswith("schedule 1 transient: finished"), err
 
