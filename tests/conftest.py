@@ -162,15 +162,16 @@ def ray_local():
 _LONG_FIRST = (
     "test_slurm.py",
     "test_chaos.py",
+    "test_isolation.py",
     "test_processes_faults.py",
     "test_demo_cli.py",
-    "test_job_submit.py",
-    "test_submit_own_script.py",
     "test_flax.py",
+    "test_supervision_holes.py",
+    "test_submit_own_script.py",
+    "test_data_pipeline.py",
     "test_processes.py",
     "test_operator_cli.py",
-    "test_supervision_holes.py",
-    "test_data_pipeline.py",
+    "test_job_submit.py",
     "test_tiers.py",
 )
 

@@ -29,7 +29,15 @@ def readme_block(first_line: str) -> str:
     return block
 
 
-def chaos(*args: str, cwd: Path | None = None, stderr: list[str] | None = None) -> dict:
+def chaos(*args: str, cwd: Path | None = None, stderr: list[str] | None = None, join: bool = False) -> dict:
+    """``elastic chaos --json *args``: its one JSON object. ``join``: on this process's Ray cluster (RAY_ADDRESS, as
+    a job submitted to a cluster runs), importing what that cluster's workers import, not on an embedded one started
+    for the command (with the installed package only)."""
+    env = {**os.environ, "PYTHONPATH": ""}
+    if join:
+        import ray
+
+        env.update(RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [str(ELASTIC), "chaos", "--json", *args],
         capture_output=True,
@@ -37,7 +45,7 @@ def chaos(*args: str, cwd: Path | None = None, stderr: list[str] | None = None) 
         timeout=240,
         stdin=subprocess.DEVNULL,
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": ""},
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -58,8 +66,8 @@ def assert_survived(out: dict, schedules: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_chaos_cli_on_the_demo():
-    out = chaos("--seed", "8", "--schedules", "2", "--steps", "30")
+def test_chaos_cli_on_the_demo(ray_local):
+    out = chaos("--seed", "8", "--schedules", "2", "--steps", "30", join=True)
     assert_survived(out, 2)
     assert out["target"] == "elastic.demos.chaos:demo_target" and out["config_overrides"] == {"num_steps": 30}
     # seed 8 draws a kill as a snapshot is copied, then a corrupt snapshot copy read by a restore
@@ -69,20 +77,22 @@ def test_chaos_cli_on_the_demo():
 
 
 @pytest.mark.timeout(300)
-def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(monkeypatch):
+def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(monkeypatch, ray_local):
     """Each group the driver forms hosts a coordination service, whose native log warned at each one (and logged an
     error for a group a fault kept from forming): a quiet run prints its own progress lines only."""
     err: list[str] = []
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # what a parent that imported jax passes on (jax's default)
-    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", stderr=err)
+    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", "--steps", "16", stderr=err, join=True)
     assert_survived(out, 1)
     assert len(err) == 1 and err[0].startswith("schedule 1 transient: finished"), err
 
 
 @pytest.mark.timeout(300)
-def test_chaos_cli_on_a_user_target(tmp_path):
+def test_chaos_cli_on_a_user_target(tmp_path, ray_local):
     (tmp_path / "my_train.py").write_text(readme_block("# my_train.py"))
-    out = chaos("--target", "my_train:chaos_target", "--seed", "7", "--schedules", "1", "--index", "1", cwd=tmp_path)
+    out = chaos(
+        "--target", "my_train:chaos_target", "--seed", "7", "--schedules", "1", "--index", "1", cwd=tmp_path, join=True
+    )
     assert_survived(out, 1)
     assert out["target"] == "my_train:chaos_target"
     assert out["runs"][0]["index"] == 1 and "--target my_train:chaos_target" in out["runs"][0]["replay"]
@@ -183,20 +193,44 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
     assert lost.record.seconds < 60  # max(5 x heartbeat_timeout_s, 10 s) after the kill, not recovery_timeout_s
 
 
+def quiet_process_target() -> dict:
+    """The demo's multi-process target without the standby group (helper processes compiling for the group one slice
+    smaller): recovery then compiles on the move, which changes no promise, and each run starts fewer processes."""
+    from dataclasses import replace
+
+    from elastic.demos.chaos import process_target
+
+    target = process_target()
+    config = target["config"]
+    target["config"] = replace(config, processes=replace(config.processes, standby=False))
+    return target
+
+
+PROCESS_SCENARIOS = ["kill_while_forming", "supervisor_restart", "notice_then_kill"]
+
+
+@pytest.fixture(scope="module")
+def process_chaos():
+    """One multi-process chaos run for the module: its failure-free reference once, then one schedule per scenario of
+    PROCESS_SCENARIOS (seed 7, 20 steps: the process faults of the tests below), through the runner the
+    ``elastic_chaos`` fixture calls (that fixture is function-scoped; the README's use of it is tested above)."""
+    from elastic.chaos.runner import ChaosRunner
+    from elastic.control.cluster import connect
+
+    connect()
+    runner = ChaosRunner(quiet_process_target, seed=7, steps=20, scenarios=PROCESS_SCENARIOS)
+    return runner.run(len(PROCESS_SCENARIOS))
+
+
 @pytest.mark.timeout(400)
-def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(elastic_chaos, ray_local):
-    """The pytest plugin on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
+def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(process_chaos):
+    """The chaos runner on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
     the group re-forms without the first (a survivor lost during the re-formation is one more loss); the supervisor
     killed by the driver and restarted by Ray, then a worker SIGKILLed (the restarted supervisor sees it)."""
-    result = elastic_chaos(
-        target="elastic.demos.chaos:process_target",
-        seed=7,
-        schedules=2,
-        steps=20,
-        scenarios=["kill_while_forming", "supervisor_restart"],
-    )
+    result = process_chaos
     assert result.ok, result.violations
     runs = {r.schedule.scenario: r for r in result.results}
+    assert sorted(runs) == sorted(PROCESS_SCENARIOS)
     forming, restart = runs["kill_while_forming"], runs["supervisor_restart"]
     assert [f.phase for f in forming.schedule.faults] == ["step", "forming"] and forming.injected == 2, forming
     assert forming.record.outcome == "finished" and forming.record.restores, forming.record
@@ -261,15 +295,13 @@ def test_notices_in_the_catalogue(elastic_chaos, ray_local):
     assert short.verdict["notices_recompute_nothing"].status == "n/a"  # no room: the failure path, or a leave
 
 
-@pytest.mark.timeout(300)
-def test_a_notice_then_a_kill_at_its_deadline_in_multi_process_mode(elastic_chaos, ray_local):
+@pytest.mark.timeout(400)
+def test_a_notice_then_a_kill_at_its_deadline_in_multi_process_mode(process_chaos):
     """Multi-process: the driver gives the notice from a thread; the leaving worker donates what only it holds and
-    exits; the process it ran in is killed at the deadline. Nothing recomputed, nothing restored."""
-    result = elastic_chaos(
-        target="elastic.demos.chaos:process_target", seed=3, schedules=1, steps=16, scenarios=["notice_then_kill"]
-    )
-    assert result.ok, result.violations
-    (run,) = result.results
+    exits; the process it ran in is killed at the deadline. Nothing recomputed, nothing restored. (The module's
+    multi-process chaos run: its notice_then_kill schedule.)"""
+    (run,) = [r for r in process_chaos.results if r.schedule.scenario == "notice_then_kill"]
+    assert run.recovered and {p.status for p in run.verdict.promises} <= {"pass", "n/a"}, run.verdict
     ((notice, detail),) = _details(run).values()
     assert notice["refused"] is None and detail is not None, (notice, run.record.notice_details)
     assert notice["killed_at"] >= notice["deadline"] and run.injected == 2, notice  # the driver's last commit waited

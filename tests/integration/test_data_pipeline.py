@@ -107,8 +107,10 @@ def test_an_iterator_without_get_state_is_refused(ray_local):
 
 
 def test_the_grain_example_verifies(ray_local):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("RAY_ADDRESS", None)
+    import ray
+
+    # on this process's Ray cluster (as a job submitted to a cluster runs), not an embedded one started for it
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     proc = subprocess.run(
         [sys.executable, "-m", "elastic.examples.grain_pipeline", "--json", "--verify"],
         cwd=ROOT,

@@ -3,7 +3,8 @@
 Convention: each ```python block of those pages is a whole program, run on its own. A block preceded by
 ``<!-- continues the block above -->`` is run appended to the program before it (Getting started shows a plain loop,
 then only what changes). A block preceded by ``<!-- not run: why -->`` is a fragment and is skipped; none is today.
-Each program runs in a fresh interpreter with 8 forced CPU devices (``JAX_PLATFORMS=cpu``) and must exit 0."""
+Each program runs in a fresh interpreter with 8 forced CPU devices (``JAX_PLATFORMS=cpu``), on the test session's Ray
+cluster (``RAY_ADDRESS``), and must exit 0."""
 
 from __future__ import annotations
 
@@ -42,10 +43,14 @@ def programs(page: str) -> list[tuple[str, str]]:
 CASES = [program for page in PAGES for program in programs(page)]
 
 
-def _run(source: str, tmp_path: Path, *, devices: int | None) -> subprocess.CompletedProcess[str]:
+def _run(
+    source: str, tmp_path: Path, *, devices: int | None, ray_address: str | None = None
+) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "program.py"
     script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
+    if ray_address is not None:  # the program joins that cluster, as a job submitted to it does
+        env["RAY_ADDRESS"] = ray_address
     env["JAX_PLATFORMS"] = "cpu"
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -67,8 +72,10 @@ def test_the_pages_have_programs() -> None:
 
 @pytest.mark.timeout(_TIMEOUT_S + 30)
 @pytest.mark.parametrize(("name", "source"), CASES, ids=[name for name, _ in CASES])
-def test_block_runs(name: str, source: str, tmp_path: Path) -> None:
-    done = _run(source, tmp_path, devices=8)
+def test_block_runs(name: str, source: str, tmp_path: Path, ray_local) -> None:
+    """On this process's Ray cluster (RAY_ADDRESS): a program on a cluster of its own is the demo's and the quiet
+    test's (test_demo_cli.py, test_quiet.py); here what is checked is the page's code."""
+    done = _run(source, tmp_path, devices=8, ray_address=ray_local.get_runtime_context().gcs_address)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}"
 
 

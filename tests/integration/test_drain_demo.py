@@ -17,9 +17,11 @@ ELASTIC = Path(sys.executable).parent / "elastic"
 
 
 @pytest.mark.timeout(300)
-def test_drain_demo_json_verify(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTIC_RECORD_DIR")}
+def test_drain_demo_json_verify(tmp_path, ray_local):
+    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_RECORD_DIR"}
     env["ELASTIC_HOME"] = str(tmp_path / "home")
+    # on this process's Ray cluster, as a job submitted to a cluster runs (a demo's own cluster: test_demo_cli.py)
+    env["RAY_ADDRESS"] = ray_local.get_runtime_context().gcs_address
     argv = ["demo", "--scenario", "drain", "--json", "--verify", "--no-progress"]
     argv += ["--steps", "60", "--kill-at", "20", "--revive-at", "45", "--notice-deadline", "4"]
     proc = subprocess.run(

@@ -81,34 +81,32 @@ def _submit(head: RayHead, module: str, *args: str) -> tuple[subprocess.Complete
 
 
 @pytest.mark.timeout(240)
-def test_ray_job_submit_runs_a_multi_process_job(ray_head: RayHead):
-    """The multi-controller demo as a job: its driver joins this cluster (RAY_ADDRESS) and hosts the coordination
-    services, its workers are actors of the job; one of three is SIGKILLed and the others re-form in place. The
-    job ran from the uploaded working_dir, which left the git-ignored bulk behind. (One submission covers both
-    modes' path: a single-process job joins the cluster the same way, through `connect`.)"""
+def test_ray_job_submit_runs_a_job_that_joins_the_cluster(ray_head: RayHead):
+    """The demo as a job: its driver joins this cluster (RAY_ADDRESS) and starts the job's actors there; a slice is
+    lost and the job ends on the rest. The job ran from the uploaded working_dir, which left the git-ignored bulk
+    behind. (A multi-process job submitted the same way, its workers on other nodes, one SIGKILLed:
+    test_submit_own_script.py; both modes join the cluster through `connect`, so this one runs the single-process
+    demo.)"""
     out, output = _submit(
         ray_head,
         "elastic.cli",
         "demo",
-        "--scenario",
-        "multi-process",
-        "--slices",
-        "3",
         "--steps",
-        "12",
+        "16",
         "--kill-at",
         "5",
         "--revive-at",
-        "12",
+        "16",
+        "--snapshot-every",
+        "4",
         "--json",
     )
-    reports = [r for r in json_lines(out.stdout) if "worker_processes_restarted" in r]
-    assert reports, f"no JSON report of a multi-process job in the job's output:\n{output}"
+    reports = [r for r in json_lines(out.stdout) if "joined_existing_cluster" in r]
+    assert reports, f"no JSON report of the job in the job's output:\n{output}"
     report = reports[-1]
-    assert report["mode"] == "multi-process" and report["steps_committed"] == 12, report
-    lost = report["survivors_lost"]  # gloo may take the killed worker's ring neighbour too (see test_processes)
-    assert report["failures_injected"] == 1 and lost <= 1 and 1 <= report["recoveries"] <= 1 + lost, report
-    assert report["worker_processes_restarted"] == 0 and report["client_restarts"] == 0, report
+    assert report["mode"] == "single-process" and report["steps_committed"] == 16, report
+    assert report["failures_injected"] == 1 and report["recoveries"] == 1, report
+    assert report["client_restarts"] == 0 and report["min_slices_seen"] == report["slices_final"] == 3, report
     assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
     assert report["joined_existing_cluster"] is True, report  # this cluster (RAY_ADDRESS), not one of its own
 

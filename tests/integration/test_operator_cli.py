@@ -87,7 +87,7 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
     flag = f"operator-cli-hold-{os.getpid()}"
     spec = ProcessDemoSpec(steps=30, num_slices=3, job_name="status-processes")
     job = ElasticJob(
-        process_config(spec, processes=Processes(replace_lost=False)),
+        process_config(spec, processes=Processes(replace_lost=False, standby=False)),
         init_fn=init_state,
         faults=Faults().kill_slice(2, at_step=8),
     )

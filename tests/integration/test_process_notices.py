@@ -16,7 +16,7 @@ import ray
 
 from elastic import NoticeError
 from elastic.api.job import ElasticJob
-from elastic.config import NoticeSources
+from elastic.config import NoticeSources, Processes
 from elastic.demos.demo import init_state, max_abs_diff
 from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
 from elastic.demos.slurm import paced_loop
@@ -39,7 +39,9 @@ def _gone(pid: int) -> bool:
 @pytest.mark.timeout(240)
 def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(ray_local) -> None:
     spec = ProcessDemoSpec(steps=N, num_slices=3, kill_slice=1, snapshot_every=5, job_name="processes-sigterm")
-    config = process_config(spec, notices=NoticeSources(signal="SIGTERM", signal_grace_s=GRACE_S))
+    config = process_config(  # no standby group: a few more processes on 2 cores, and the leave does not need it
+        spec, notices=NoticeSources(signal="SIGTERM", signal_grace_s=GRACE_S), processes=Processes(standby=False)
+    )
     seen: dict[str, object] = {}
 
     def on_step(step, metrics, run):

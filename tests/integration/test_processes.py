@@ -235,21 +235,23 @@ def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ra
     def specs(mesh):
         return {"w": PartitionSpec(("replica", "local")), "key": PartitionSpec(), "n": PartitionSpec()}
 
-    def loop(run):
-        @jax.jit
-        def step_fn(state, x):
-            key, sub = jax.random.split(state["key"])
-            noise = jax.random.normal(sub, state["w"].shape)
-            return {"w": state["w"] * 0.9 + x.mean() + 0.01 * noise, "key": key, "n": state["n"] + 1}
+    def step_fn(state, x):
+        key, sub = jax.random.split(state["key"])
+        noise = jax.random.normal(sub, state["w"].shape)
+        return {"w": state["w"] * 0.9 + x.mean() + 0.01 * noise, "key": key, "n": state["n"] + 1}
 
+    def data(s: int) -> np.ndarray:
+        return np.full((48, 2), float(s), np.float32)
+
+    def loop(run):
         state = run.state
-        step = run.guard(step_fn)
+        step = run.guard(jax.jit(step_fn))
         for s in run.steps:
-            state = step(state, run.shard_batch(np.full((48, 2), float(s), np.float32)))
+            state = step(state, run.shard_batch(data(s)))
             run.commit(state)
         return state
 
-    def run_job(name: str, faults: Faults | None):
+    def run_job(name: str, faults: Faults):
         config = ElasticConfig(
             simulated=True,
             job_name=name,
@@ -265,9 +267,11 @@ def test_typed_keys_and_state_sharded_across_slices_restore_from_buddy_copies(ra
             return job.run(loop)
 
     failed = run_job("processes-sharded", Faults().kill_slice(1, at_step=9))
-    reference = run_job("processes-sharded-ref", None)
+    reference = init(jax.random.key(0))  # the same steps without the library and without failures, in this process
+    for s in range(16):
+        reference = jax.jit(step_fn)(reference, data(s))
     assert failed.report.recoveries == 1 and failed.report.slices_final == 2
     assert failed.report.restores[0]["tier"] == "memory"
     assert int(failed.state["n"]) == 16
-    np.testing.assert_allclose(failed.state["w"], reference.state["w"], atol=1e-5)  # 6 devices vs 4: float noise
-    assert jax.random.key_data(failed.state["key"]).tolist() == jax.random.key_data(reference.state["key"]).tolist()
+    np.testing.assert_allclose(failed.state["w"], reference["w"], atol=1e-5)  # 6 devices, then 4, vs 1: float noise
+    assert jax.random.key_data(failed.state["key"]).tolist() == jax.random.key_data(reference["key"]).tolist()

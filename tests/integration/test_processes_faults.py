@@ -1,6 +1,9 @@
 """Multi-process mode under the failures that are not one clean SIGKILL: a worker hung inside the step (its process
 stopped, so its peers' collective waits on it), a real Ray node removed with the workers on it and a node added back
-for the group to grow on, and a worker lost together with the holder of its buddy copies."""
+for the group to grow on, and a worker lost together with the holder of its buddy copies.
+
+No job here compiles standbys (``Processes(standby=False)``): a standby group is a few more processes on a 2-core
+machine and none of these failures depends on it (test_processes.py keeps it on)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def test_a_hung_worker_is_killed_and_the_rest_recover_within_a_bound(ray_local) 
     )
     config = process_config(
         spec,
-        processes=Processes(replace_lost=False, settle_timeout_s=4.0),
+        processes=Processes(replace_lost=False, settle_timeout_s=4.0, standby=False),
         policy=Policy(min_slices=1),
         heartbeat_timeout_s=2.0,
     )
@@ -67,7 +70,7 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
         snapshot_every=5,
         job_name="processes-below-min",
     )
-    config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=0.5))
+    config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=0.5), processes=Processes(standby=False))
     report = run_process_demo(spec, verify=True, config=config, faults=Faults().kill_slice(1, at_step=5))
     _assert_exact(report, spec)
     assert report["min_slices_seen"] == 3 and report["slices_final"] == 3, report
@@ -82,7 +85,7 @@ def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one(
         spec = ProcessDemoSpec(steps=30, num_slices=4, snapshot_every=5, job_name="processes-node")
         config = process_config(
             spec,
-            processes=Processes(resources_per_worker={"trainer_host": 1}),
+            processes=Processes(resources_per_worker={"trainer_host": 1}, standby=False),
             policy=Policy(min_slices=1, repair_timeout_s=120.0),
         )
         removed: list[int] = []

@@ -328,7 +328,7 @@ def test_closing_actors_leaves_no_file_and_no_actor(ray_local):
     """Defect 5: once the supervisor's process has exited (nothing can write any more), no file is left and
     nothing was written after the close. The agents' deaths used to be logged by the dying supervisor after
     its log was removed (the log then lived in the temp directory; it now lives in Ray's GCS)."""
-    for i in range(3):  # it was a race, lost most of the time
+    for i in range(2):  # it was a race, lost most of the time
         job = f"no-leftovers-{uuid.uuid4().hex[:6]}-{i}"
         group = ActorGroup(config(job))
         group.launch()
