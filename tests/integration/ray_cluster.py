@@ -223,8 +223,9 @@ def stop_head(head: RayHead) -> dict[int, str]:
         return {}
     marker = f"{head.temp_dir}{os.sep}"
     sessions = {proc.pid for proc in procs}
-    # The job driver's watcher polls once a second before it reaps the driver: allow a few seconds.
-    deadline = time.monotonic() + 15
+    # The job driver's watcher polls once a second before it reaps the driver, and a raylet's agents (dashboard,
+    # runtime env) notice their raylet gone on a poll of their own: on a loaded 2-core machine that took over 15 s.
+    deadline = time.monotonic() + 30
     left = leftovers(sessions, marker)
     while left and time.monotonic() < deadline:
         time.sleep(0.25)
