@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
@@ -23,13 +21,11 @@ from elastic.errors import AccessError
 from elastic.log import get_logger
 from elastic.snapshot.calls import CallCheck, call_key
 from elastic.supervision import credential
-from elastic.supervision.events import EventStream
+from elastic.supervision.access import Refusals
 
 __all__ = ["REFUSALS_WRITER", "Caller", "PoolGate", "pool_guarded", "user_credential"]
 
 REFUSALS_WRITER = "pool-refusals"
-REFUSALS_KEPT = 1_000
-BURST, EVERY_S = 10, 1.0
 
 
 def user_credential(token: str, user: str) -> str:
@@ -59,14 +55,17 @@ class PoolGate:
         keys = [call_key(user_credential(token, u)) for u in admitted] if token is not None else []
         self._calls = CallCheck(call_key(token) if token is not None else None, *keys)
         key = credential.derive(token, "stream") if token is not None else None
-        self._stream = EventStream(stream, run, REFUSALS_WRITER, keep=REFUSALS_KEPT, key=key)
-        self._written: dict[str, tuple[int, float]] = {}
-        self.refused = 0
-        self._log = get_logger("elastic.pool.access", pool=pool)
+        log = get_logger("elastic.pool.access", pool=pool)
+        self.refusals = Refusals(stream, run, key, log, writer=REFUSALS_WRITER)
 
     @property
     def pool(self) -> str:
         return self._pool
+
+    @property
+    def refused(self) -> int:
+        """Calls refused (written or not)."""
+        return self.refusals.refused
 
     def check(self, token: Any, user: Any, method: str, *, operator: bool = False, signed_for: str = "") -> Caller:
         """The caller, or ``AccessError``: a fresh call of the Ray method ``signed_for`` (default ``method``) signed
@@ -82,13 +81,7 @@ class PoolGate:
             why = "not a user admitted to this pool, or an operator's method"
         if why is None:
             return Caller(user=user)
-        self.refused += 1
-        now = time.monotonic()
-        written, last = self._written.get(method, (0, -math.inf))
-        if written < BURST or now - last >= EVERY_S:
-            self._written[method] = (written + 1, now)
-            self._stream.append("refused_command", command=method[:64], reason=why, refused=self.refused)
-            self._log.warning("command_refused", command=method[:64], reason=why, refused=self.refused)
+        self.refusals.add(method, why)
         if operator:
             raise AccessError(f"{method[:64]} refused ({why}): only pool {self._pool!r}'s operator may call it")
         raise AccessError(

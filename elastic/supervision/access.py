@@ -27,12 +27,35 @@ from elastic.snapshot.calls import CallCheck, call_key
 from elastic.supervision import credential
 from elastic.supervision.events import EventStream
 
-__all__ = ["Gate", "Guarded", "guarded", "MAX_RECORD_BYTES", "REFUSALS_KEPT", "REFUSALS_WRITER"]
+__all__ = ["Gate", "Guarded", "Refusals", "guarded", "MAX_RECORD_BYTES", "REFUSALS_KEPT", "REFUSALS_WRITER"]
 
 REFUSALS_WRITER = "supervisor-refusals"
 REFUSALS_KEPT = 1_000  # refusal records kept per run (older ones are deleted as new ones land)
 MAX_RECORD_BYTES = 4096
 BURST, EVERY_S = 10, 1.0  # per method: the first ten refusals written, then one per EVERY_S
+
+
+class Refusals:
+    """The record of refused calls on one actor: ``refused_command`` records in run ``run`` of stream ``stream``
+    under their own writer (``keep`` newest, signed with ``key``), at most :data:`BURST` of a method, then one per
+    :data:`EVERY_S`; each under :data:`MAX_RECORD_BYTES`. ``refused`` counts every refusal, written or not."""
+
+    def __init__(self, stream: str, run: str, key: str | None, log: Any, *, writer: str = REFUSALS_WRITER) -> None:
+        self._stream = EventStream(stream, run, writer, keep=REFUSALS_KEPT, key=key)
+        self._written: dict[str, tuple[int, float]] = {}  # method -> (refusals written, when the last was)
+        self._log = log
+        self.refused = 0
+
+    def add(self, method: str, why: str, **fields: Any) -> None:
+        """Count a refused call of ``method`` (``why``: the reason), and record it unless over the bound."""
+        self.refused += 1
+        now = time.monotonic()
+        written, last = self._written.get(method, (0, -math.inf))
+        if written < BURST or now - last >= EVERY_S:
+            self._written[method] = (written + 1, now)
+            record = {"command": method[:64], "reason": why, "refused": self.refused}
+            self._stream.append("refused_command", **fields, **record)
+            self._log.warning("command_refused", **record)
 
 
 class Gate:
@@ -45,14 +68,16 @@ class Gate:
         agent = credential.derive(token, "agent") if token is not None else None
         self._calls = CallCheck(call_key(token) if token is not None else None, call_key(agent) if agent else None)
         key = credential.derive(token, "stream") if token is not None else None
-        self._stream = EventStream(job, run, REFUSALS_WRITER, keep=REFUSALS_KEPT, key=key)
-        self._written: dict[str, tuple[int, float]] = {}  # method -> (refusals written, when the last was)
-        self.refused = 0  # calls refused (written or not)
-        self._log = get_logger("elastic.supervision.access", job=job)
+        self.refusals = Refusals(job, run, key, get_logger("elastic.supervision.access", job=job))
 
     @property
     def open(self) -> bool:
         return self._calls.open
+
+    @property
+    def refused(self) -> int:
+        """Calls refused (written or not)."""
+        return self.refusals.refused
 
     def check(self, token: Any, method: str, *, agents: bool = False, signed_for: str | None = None) -> None:
         """``AccessError`` unless ``token`` is a fresh call signed with the job's credential (``agents``: or its
@@ -61,14 +86,7 @@ class Gate:
         why = self._calls.refusal(token, signed_for or method, keys=(0, 1) if agents else (0,))
         if why is None:
             return
-        self.refused += 1
-        now = time.monotonic()
-        written, last = self._written.get(method, (0, -math.inf))
-        if written < BURST or now - last >= EVERY_S:
-            self._written[method] = (written + 1, now)
-            record = {"command": method[:64], "reason": why, "refused": self.refused}
-            self._stream.append("refused_command", epoch=self._epoch(), **record)
-            self._log.warning("command_refused", **record)
+        self.refusals.add(method, why, epoch=self._epoch())
         raise AccessError(
             f"{method[:64]} refused ({why}): only job {self._job!r}'s own client, its agents, or an operator "
             "holding its token may call it, each call signed once"
