@@ -161,11 +161,15 @@ class ActorGroup:
                 options["lifetime"] = "detached"
             if index in self._agent_nodes:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._agent_nodes[index], soft=False)
-            agent = self._factory(index, incarnation, self._for_agents, options, call_key(self.control))
-            self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
-            self._agents[index] = agent
             self._started_at[index] = time.monotonic()
             self._starting.pop(index, None)  # a respawn still in flight is superseded (and its agent killed)
+            try:
+                agent = self._factory(index, incarnation, self._for_agents, options, call_key(self.control))
+            except Exception:
+                self._failed[index] = incarnation  # e.g. killed while Ray created it: the respawner tries again
+                raise
+            self.actors.record(options["name"], agent)  # cleanup finds it by this record, never by its name alone
+            self._agents[index] = agent
             self._failed.pop(index, None)
             return agent
 

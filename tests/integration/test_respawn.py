@@ -7,12 +7,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import ray
+from ray.exceptions import RaySystemError
 
-from elastic.config import Policy
-from elastic.control.cluster import ActorGroup
+from elastic.config import ElasticConfig, Policy
+from elastic.control.cluster import ActorGroup, SliceAgents
 from elastic.supervision.membership import View
 
 from ..conftest import until
@@ -75,19 +77,35 @@ class RespawnerRounds:
             )
 
 
+class FailsOnce(SliceAgents):
+    """Real agents, but creating the one ``(slice, incarnation)`` raises what Ray raises when the new actor is
+    killed while Ray creates it."""
+
+    def __init__(self, cfg: ElasticConfig, which: tuple[int, int]) -> None:
+        super().__init__(cfg)
+        self._which: tuple[int, int] | None = which
+
+    def __call__(self, index: int, incarnation: int, *args: Any) -> Any:
+        if (index, incarnation) == self._which:
+            self._which = None
+            raise RaySystemError("Actor creation cancelled.")
+        return super().__call__(index, incarnation, *args)
+
+
 @pytest.fixture
-def launched(ray_local) -> Iterator[Callable[[float | None], ActorGroup]]:
+def launched(ray_local) -> Iterator[Callable[..., ActorGroup]]:
     """``launch(respawn_every_s)``: an ActorGroup over 4 slices, every agent pinned to this node; at the end it
     is shut down and its namespace must be empty."""
     groups: list[ActorGroup] = []
 
-    def launch(respawn_every_s: float | None) -> ActorGroup:
+    def launch(respawn_every_s: float | None, fail_once: tuple[int, int] | None = None) -> ActorGroup:
         here = ray.get_runtime_context().get_node_id()
         cfg = config(
             f"respawn-{uuid.uuid4().hex[:8]}",
             policy=Policy(min_slices=2, repair_timeout_s=60.0, respawn_every_s=respawn_every_s),
         )
-        group = ActorGroup(cfg, agent_nodes={i: here for i in range(4)})
+        agents = FailsOnce(cfg, fail_once) if fail_once is not None else None
+        group = ActorGroup(cfg, agent_nodes={i: here for i in range(4)}, agents=agents)
         groups.append(group)
         group.launch()
         assert view_of(group).active == ALL4
@@ -119,6 +137,14 @@ def test_a_killed_agent_is_replaced_and_its_slice_rejoins(launched):
     assert "agent-1-1" in named_actors(namespace) and "agent-1-0" not in named_actors(namespace)
     RespawnerRounds(group).wait_for(3, 30)  # a healthy replacement is not replaced again: 3 rounds leave it be
     assert group.respawns == [(1, 1)] and view_of(group).epoch == back.epoch
+
+
+def test_a_replacement_that_fails_while_ray_creates_it_is_tried_again(launched):
+    group = launched(EVERY_S, fail_once=(1, 1))
+    group.kill_agent(1)
+    view_becomes(group, ALL4 - {1}, 15)
+    view_becomes(group, ALL4, 15)
+    assert group.respawns == [(1, 2)], group.respawns
 
 
 def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
