@@ -54,6 +54,8 @@ PHASES = (  # a re-formation's phases, as the workers time them (the slowest mem
     "join",
     "backend",
     "shardings",
+    "place",
+    "placed",
     "restore",
 )
 

@@ -261,7 +261,9 @@ class SliceWorker:
                 holdings=self._holdings,
                 keepers=self._tiers.keepers,
             )
+            phases["place"] = time.monotonic() - mark - phases["shardings"]
             state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
+            phases["placed"] = time.monotonic() - mark
         except Exception as err:  # noqa: BLE001 - classified once: a lost peer is recovered, the rest reported
             ending = classify(err)
             ending = Ending.ERROR if ending is Ending.HUNG else ending  # no step ran: only a lost peer is recovered
