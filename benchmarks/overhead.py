@@ -1,6 +1,7 @@
 """What the library costs on a day nothing fails: the plain pipelined jitted loop against the elastic loop, in one run.
 
-    .venv/bin/python benchmarks/overhead.py --json [--mib 200] [--steps 30]
+    .venv/bin/python benchmarks/overhead.py --json [--mib 200 | --step-seconds 0.2] [--steps 30]
+    .venv/bin/python benchmarks/overhead.py --mode multi-process --json   (benchmarks/overhead_mp.py)
 
 An MLP with adam whose state (parameters and both moments) is ``--mib`` MiB, replicated over 4 slices x 2 CPU
 devices, each batch split over the 8 devices: the same mesh, shardings, batches and step for every loop.
@@ -103,6 +104,13 @@ def cores(start: tuple[float, float, float], end: tuple[float, float, float]) ->
 def width_for(mib: float) -> int:
     """The layer width whose parameters and two adam moments make about ``mib`` MiB."""
     return max(64, int((mib * 2**20 / 4 / 3 / LAYERS) ** 0.5))
+
+
+def width_for_step(seconds: float, probe_mib: float = 32.0) -> int:
+    """The layer width whose plain step takes about ``seconds`` here: the step is memory-bound (adam over the
+    state), so its time grows with the state's size; measured once at ``probe_mib`` and scaled."""
+    probe = plain(width_for(probe_mib), 8)["step_seconds"]
+    return width_for(max(1.0, probe_mib * seconds / probe))
 
 
 def make(width: int):
@@ -383,10 +391,25 @@ def elastic_run(width: int, steps: int, every: int, in_flight: int) -> dict[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=float, default=200.0)
+    parser.add_argument("--mib", type=float, default=None, help="the state's size (default 200; multi-process 64)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=None,
+        help="size the state so that the plain loop's step takes about this long (replaces --mib)",
+    )
+    parser.add_argument(
+        "--mode", choices=("single", "multi-process"), default="single", help="multi-process: benchmarks/overhead_mp.py"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="multi-process: alternations; medians reported")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.mode == "multi-process":
+        from overhead_mp import run
+
+        print(json.dumps(run(args.mib or 64.0, args.steps, args.repeats), indent=1))
+        return 0
     logging.disable(logging.WARNING)  # Orbax's and Ray's loggers: errors still show
     from elastic.control.cluster import connect
     from elastic.log import configure_logging
@@ -396,7 +419,7 @@ def main() -> int:
     t = time.perf_counter()
     connect()
     ray_start = time.perf_counter() - t
-    width = width_for(args.mib)
+    width = width_for(args.mib or 200.0) if args.step_seconds is None else width_for_step(args.step_seconds)
     base = plain(width, args.steps)
     runs = {
         "every10": elastic_run(width, args.steps, 10, 2),
