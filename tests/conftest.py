@@ -19,9 +19,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
 if "ELASTIC_HOME" not in os.environ:  # job tokens and run records of the tests stay out of the user's home
+    import atexit
+    import shutil
     import tempfile
 
-    os.environ["ELASTIC_HOME"] = tempfile.mkdtemp(prefix="elastic-home-")
+    os.environ["ELASTIC_HOME"] = tempfile.mkdtemp(prefix="elastic-home-")  # pytest-xdist's workers inherit it
+    atexit.register(shutil.rmtree, os.environ["ELASTIC_HOME"], ignore_errors=True)  # gone with the session
 
 import pytest
 
