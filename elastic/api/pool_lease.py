@@ -121,8 +121,22 @@ class PoolLease:
             self._log.warning("pool_notice_refused", slices=sorted(slices), error=str(err).splitlines()[0][:200])
 
     def granted(self, slices: frozenset[int]) -> None:
-        for s in sorted(slices):
-            self._spawn(s)
+        """Start an agent for each slice lent, all at once (a worker process takes seconds to start): the job grows
+        onto those that registered by its next step boundary, and onto the rest at a later one."""
+        starts = [threading.Thread(target=self._start, args=(s,), name=f"pool-spawn-{s}") for s in sorted(slices)]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+
+    def _start(self, index: int) -> None:
+        try:
+            self._spawn(index)
+        except Exception as err:  # noqa: BLE001 - its agent did not start: the job runs on the rest, the pool is told
+            self._log.error("pool_spawn_failed", slice=index, error=repr(err)[:200])
+            with self._lock:
+                self._failed.append(index)
+            self._work.put(("failed", frozenset({index})))
 
     # -- the job's side ---------------------------------------------------------------------------
     def committed(self, step: int, view: View) -> None:
@@ -133,10 +147,10 @@ class PoolLease:
             self._pending -= gone
             lost = frozenset(self._seen - view.active - gone - self._pending)
             self._seen = (self._seen | set(view.active)) - gone - lost
+            self._failed.extend(sorted(lost))
         if gone:
             self._work.put(("left", gone))  # a Ray call: not on the loop's thread
         if lost:
-            self._failed.extend(sorted(lost))
             self._work.put(("failed", lost))
 
     def _give_back(self) -> None:

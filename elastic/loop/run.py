@@ -301,8 +301,21 @@ class Run:
 
     @functools.cached_property
     def _put_batch(self) -> Callable[[Any], Any]:
-        """One sharding and one guarded transfer per pass, not one per step."""
-        return functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
+        """One sharding and one guarded transfer per pass, not one per step. Across processes each places its own
+        devices' rows of a host array (``jax.make_array_from_callback``): ``jax.device_put`` would first check that
+        every process passed the same value, an all-gather each step whose failure when a peer dies is a
+        ``ValueError``, not a runtime error the failure path knows."""
+        sharding = batch_sharding(self.mesh)
+        if jax.process_count() == 1:
+            return functools.partial(self.guard(jax.device_put), device=sharding)
+
+        def place(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array):
+                return jax.device_put(leaf, sharding)
+            rows = np.asarray(leaf)
+            return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+        return self.guard(lambda batch: jax.tree_util.tree_map(place, batch))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""
