@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(defaults: 80 steps of at least --pace 0.5 s, notice at 13 with a 10 s deadline); pool: two multi-process "
         "jobs share a pool of --slices slices of 1 device by priority: low on all, high (3 slices, spares=1) arrives "
         "and low shrinks, a worker of high is SIGKILLed at its step --kill-at and a slice of low swapped in, the "
-        "killed slice returns to low, high ends and low grows back (defaults: low 120 steps, 5 slices, pace 0.2 s)",
+        "killed slice returns to low, high ends and low grows back (defaults: low 150 steps, high 60, 5 slices, "
+        "pace 0.2 s)",
     )
     demo.add_argument(
         "--kill-client-at",

@@ -48,7 +48,7 @@ DEMO_DEFAULTS: dict[str, dict[str, int | None]] = {
     "slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10, **_SLICES},
     "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5, **_SLICES},
     "multi-process-drain": {"steps": 80, "kill_at": 13, "revive_at": None, "snapshot_every": 5, **_SLICES},
-    "pool": {"steps": 120, "kill_at": 8, "revive_at": None, "snapshot_every": 5, "slices": 5, "devices_per_slice": 1},
+    "pool": {"steps": 150, "kill_at": 8, "revive_at": None, "snapshot_every": 5, "slices": 5, "devices_per_slice": 1},
 }
 MULTI = ("multi-process", "multi-process-driver-crash", "multi-process-drain", "pool")
 

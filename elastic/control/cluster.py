@@ -215,9 +215,12 @@ class ActorGroup:
 
     def replace(self, index: int, dead: int) -> bool:
         """Start a new agent for slice ``index`` whose agent incarnation ``dead`` is known dead (multi-process mode:
-        its worker process died), unless a newer one is starting or runs. True if one was started."""
+        its worker process died), unless a newer one is starting or runs, or the job is on a pool (which lends the
+        replacement). True if one was started."""
         with self._lock:
-            if self._stop.is_set() or index in self._starting or self._incarnations.get(index) != dead:
+            if self._config.pool is not None or self._stop.is_set() or index in self._starting:
+                return False
+            if self._incarnations.get(index) != dead:
                 return False
             agent = self._spawn(index)
             incarnation = self._incarnations[index]
