@@ -142,11 +142,12 @@ class PoolLease:
     def committed(self, step: int, view: View) -> None:
         """A commit sink: a step committed on ``view``; the slices it no longer holds that the pool asked back go,
         and those it held in an earlier committed view that it lost without being asked are reported failed."""
+        held = self.member.slices  # not the slices never lent (single-process mode ran on them before leaving them)
         with self._lock:
             gone = frozenset(s for s in self._pending if s not in view.active)
             self._pending -= gone
-            lost = frozenset(self._seen - view.active - gone - self._pending)
-            self._seen = (self._seen | set(view.active)) - gone - lost
+            lost = frozenset(self._seen - view.active - gone - self._pending) & held
+            self._seen = ((self._seen | set(view.active)) & held) - gone - lost
             self._failed.extend(sorted(lost))
         if gone:
             self._work.put(("left", gone))  # a Ray call: not on the loop's thread
