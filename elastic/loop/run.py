@@ -292,6 +292,8 @@ class Run:
 
         The leading size must split over every device count the job may shrink to, not only this mesh's:
         a batch that would not fails at the first step (``ConfigError`` naming the sizes), not after a shrink.
+        In multi-process mode every worker passes the same global batch (each places its own devices' rows; that
+        they are the same is not checked across processes).
         """
         rows = batch_rows(batch, what="run.shard_batch got")
         if rows not in self._rows_checked:
