@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from elastic.api.job import ElasticJob, JobResult
 from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, max_abs_diff, train_step
-from elastic.errors import ElasticError
+from elastic.errors import ConfigError, ElasticError
 from elastic.log import get_logger
 from elastic.ops.pool import end_own_pool, own_pool
 
@@ -57,6 +57,19 @@ class PoolDemoSpec:
     pace_s: float = 0.2
     snapshot_every: int = 5
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pool_size < self.high_slices + 2:
+            raise ConfigError(
+                f"the pool demo needs at least {self.high_slices + 2} slices (high's {self.high_slices}, and 2 for low "
+                f"to give one up for the hot swap); got {self.pool_size}: raise --slices"
+            )
+        if not 0 <= self.kill_slice < self.high_slices or not 0 < self.kill_at < self.high_steps - 10:
+            raise ConfigError(
+                f"the pool demo kills one of high's {self.high_slices} slices (0..{self.high_slices - 1}; got "
+                f"{self.kill_slice}) at one of its steps 1..{self.high_steps - 11} (got {self.kill_at}), so that it "
+                "has steps left to grow back on the spare"
+            )
 
 
 def scaled_loop(pace_s: float, full: int) -> Callable[[Any], Any]:
