@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         "multi-process-driver-crash: the multi-process job's driver is SIGKILLed mid-run and a new "
         "driver of the same job name resumes from the keepers; multi-process-drain: a worker is given notice at "
         "--kill-at, the job leaves it at a step boundary, the worker exits 0, the slice comes back past the deadline "
-        "(defaults: 80 steps of at least --pace 0.5 s, notice at 13 with a 10 s deadline)",
+        "(defaults: 80 steps of at least --pace 0.5 s, notice at 13 with a 10 s deadline); pool: two multi-process "
+        "jobs share a pool of --slices slices of 1 device by priority: low on all, high (3 slices, spares=1) arrives "
+        "and low shrinks, a worker of high is SIGKILLed at its step --kill-at and a slice of low swapped in, the "
+        "killed slice returns to low, high ends and low grows back (defaults: low 150 steps, high 60, 5 slices, "
+        "pace 0.2 s)",
     )
     demo.add_argument(
         "--kill-client-at",
@@ -61,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--verify", action="store_true", help="also run without failures and compare parameters")
     demo.add_argument("--steps", type=int, default=None, help="default 150 (multi-process: see --scenario)")
-    demo.add_argument("--slices", type=int, default=4)
-    demo.add_argument("--devices-per-slice", type=int, default=2)
+    demo.add_argument("--slices", type=int, default=None, help="default 4 (pool: 5)")
+    demo.add_argument("--devices-per-slice", type=int, default=None, help="default 2 (pool: 1)")
     demo.add_argument("--kill-slice", type=int, default=1)
     demo.add_argument("--kill-at", type=int, default=None, help="default 55 (multi-process: see --scenario)")
     demo.add_argument("--revive-at", type=int, default=None, help="default 95 (multi-process: see --scenario)")

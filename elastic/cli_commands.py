@@ -43,12 +43,14 @@ def stdout_for_result() -> TextIO:
     return result
 
 
+_SLICES = {"slices": 4, "devices_per_slice": 2}
 DEMO_DEFAULTS: dict[str, dict[str, int | None]] = {
-    "slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10},
-    "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5},
-    "multi-process-drain": {"steps": 80, "kill_at": 13, "revive_at": None, "snapshot_every": 5},
+    "slice-loss": {"steps": 150, "kill_at": 55, "revive_at": 95, "snapshot_every": 10, **_SLICES},
+    "multi-process": {"steps": 40, "kill_at": 13, "revive_at": 27, "snapshot_every": 5, **_SLICES},
+    "multi-process-drain": {"steps": 80, "kill_at": 13, "revive_at": None, "snapshot_every": 5, **_SLICES},
+    "pool": {"steps": 150, "kill_at": 8, "revive_at": None, "snapshot_every": 5, "slices": 5, "devices_per_slice": 1},
 }
-MULTI = ("multi-process", "multi-process-driver-crash", "multi-process-drain")
+MULTI = ("multi-process", "multi-process-driver-crash", "multi-process-drain", "pool")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -60,7 +62,7 @@ def demo(args: argparse.Namespace) -> int:
     if args.notice_deadline is None:
         args.notice_deadline = 10.0 if args.scenario == "multi-process-drain" else 30.0
     if args.pace is None:
-        args.pace = 0.5 if args.scenario == "multi-process-drain" else 0.0
+        args.pace = {"multi-process-drain": 0.5, "pool": 0.2}.get(args.scenario, 0.0)
     if args.kill_client_at is None:
         args.kill_client_at = 21 if multi else 75
     result = stdout_for_result()
@@ -89,7 +91,19 @@ def demo(args: argparse.Namespace) -> int:
         snapshot_every=args.snapshot_every,
     )
     started_here = connect()
-    if multi:
+    if args.scenario == "pool":
+        from elastic.demos.pool import PoolDemoSpec, run_pool_demo
+
+        pool = PoolDemoSpec(
+            steps=spec.steps,
+            pool_size=spec.num_slices,
+            kill_at=spec.kill_at,
+            kill_slice=spec.kill_slice,
+            pace_s=args.pace,
+            snapshot_every=spec.snapshot_every,
+        )
+        out = run_pool_demo(pool, verify=args.verify)
+    elif multi:
         from elastic.demos.processes import ProcessDemoSpec, run_process_demo
 
         mp = ProcessDemoSpec(
@@ -126,6 +140,10 @@ def demo(args: argparse.Namespace) -> int:
         print_timeline(out["timeline"], sys.stderr)
     if args.json:
         print(json.dumps(out), file=result, flush=True)
+    elif args.scenario == "pool":
+        from elastic.demos.pool import summary
+
+        print("\n".join(summary(out)), file=result, flush=True)
     else:
         from elastic.ops.summary import summary_lines
 

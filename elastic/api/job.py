@@ -104,8 +104,6 @@ class ElasticJob:
     ) -> None:
         if not isinstance(config, ElasticConfig):
             raise ConfigError(f"config must be an elastic.ElasticConfig, got {type(config).__name__}")
-        if config.pool is not None and config.processes is not None:
-            raise ConfigError("pool= is built for single-process jobs so far: leave out processes=, or pool=")
         for name, fn in (("init_fn", init_fn), ("shardings_fn", shardings_fn), ("mesh_fn", mesh_fn)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{name} must be a callable, got {fn!r}")
@@ -207,6 +205,7 @@ class ElasticJob:
                     self.config,
                     notice=lambda slices, deadline_s, why: self.notice(slices, deadline_s, why, source="pool"),
                     spawn=lambda index: self.group.spawn_agent(index),  # a new agent: the job grows onto it
+                    extra=self._acct.report.extra,
                 )
                 self._pool.join()
             token = job_token(self.config)  # before the workers, whose spec carries the keepers' credential
@@ -214,7 +213,7 @@ class ElasticJob:
             self._group = ActorGroup(self.config, agent_nodes=self._agent_nodes, agents=agents, token=token)
             # The keepers' processes start while the agents do, and only once the job is this client's: a client
             # refused at launch never touches (nor, closing, kills) another client's keepers.
-            self._group.launch(owned=self._start_tiers)
+            self._group.launch(owned=self._start_tiers, slices=self._pool.launch_slices if self._pool else None)
             self._mode.ready()
         except BaseException:  # what start opened is closed before the error goes on
             self.close()

@@ -1,12 +1,18 @@
-"""A job whose slices come from a pool (``ElasticConfig(pool=...)``; single-process mode): the glue between its
+"""A job whose slices come from a pool (``ElasticConfig(pool=...)``, both modes): the glue between its
 :class:`~elastic.pool.member.PoolMember` and the job.
 
 At start the job joins the pool (bounded by ``startup_timeout_s``; a wait past it is a
-:class:`~elastic.errors.PoolError` that says why) and is given notice, at once, for the slices the pool did not lend
-it, so its first pass runs on the lent ones only. Then, on the member's thread: a reclaim is a notice (source
-``pool``) through the job's one notice path, and once a step commits on a view without those slices they go back
-to the pool (the job left them at a step boundary, nothing recomputed); a grant starts a new agent for each slice
-lent, and the job grows onto it. At the end every slice goes back.
+:class:`~elastic.errors.PoolError` that says why), so that its first pass runs on the lent slices only: in
+multi-process mode only their workers are started (:attr:`PoolLease.launch_slices`); in single-process mode the
+others are given notice at once. Then, on the member's thread: a reclaim is a notice (source ``pool``) through the
+job's one notice path, and once a step commits on a view without those slices they go back to the pool (the job
+left them at a step boundary, nothing recomputed); a grant starts a new agent (multi-process: a worker process) for
+each slice lent, and the job grows onto it. A slice the job held that a committed step's view no longer has, and
+that the pool did not reclaim, failed: the job says so to the pool (:meth:`~elastic.pool.member.PoolMember.failed`),
+which replaces it up to the job's ``spares`` and lends it again once it returns. The job itself starts no
+replacement for a lost slice (``ActorGroup.respawn_every_s``): the pool decides what it runs on. At the end every
+slice goes back, and the report's ``extra`` gets the pool's figures for the job (``pool``: ``seconds_below_asked``,
+the slices reported failed).
 
 The job's pool user is ``$ELASTIC_POOL_USER`` (default: the login name); its credential ``$ELASTIC_POOL_TOKEN``, or
 the file ``$ELASTIC_HOME/tokens/pool-<pool>.user-<user>`` that ``elastic pool start`` wrote for that user.
@@ -52,7 +58,8 @@ def pool_identity(pool: str) -> tuple[str, str]:
 
 
 class PoolLease:
-    """Job ``config``'s lease; ``notice(slices, deadline_s, reason)`` and ``spawn(slice)`` act on the job."""
+    """Job ``config``'s lease; ``notice(slices, deadline_s, reason)`` and ``spawn(slice)`` act on the job; the pool's
+    figures go to ``extra`` (the report's) at ``close``."""
 
     def __init__(
         self,
@@ -60,6 +67,7 @@ class PoolLease:
         *,
         notice: Callable[[frozenset[int], float, str], Any],
         spawn: Callable[[int], None],
+        extra: dict[str, Any] | None = None,
     ) -> None:
         assert config.pool is not None
         user, token = pool_identity(config.pool)
@@ -74,8 +82,12 @@ class PoolLease:
         self._config, self._notice, self._spawn = config, notice, spawn
         self.member = PoolMember(find_pool(config.pool, token, user=user), spec, self)
         self._pending: set[int] = set()  # the job's slices it was told to leave, not yet given back
+        self._seen: set[int] = set()  # the job's slices held in a committed step's view, not since given back
+        self._failed: list[int] = []  # the job's slices it told the pool failed, in order
+        self._extra = extra if extra is not None else {}
         self._lock = threading.Lock()
-        self._work: queue.SimpleQueue[frozenset[int] | None] = queue.SimpleQueue()  # slices to give back
+        # (what, slices) to tell the pool off the loop's thread: "left" (give back) or "failed"
+        self._work: queue.SimpleQueue[tuple[str, frozenset[int]] | None] = queue.SimpleQueue()
         self._giver = threading.Thread(target=self._give_back, name=f"pool-give-back-{config.job_name}", daemon=True)
         self._log = get_logger("elastic.api.pool_lease", job=config.job_name, pool=config.pool)
 
@@ -85,10 +97,17 @@ class PoolLease:
         self._giver.start()
         return lent
 
+    @property
+    def launch_slices(self) -> frozenset[int] | None:
+        """The slices whose agents the job starts with: in multi-process mode the lent ones only (a worker process
+        needs its slice's devices); None (every slice) in single-process mode."""
+        return self.member.slices if self._config.processes is not None else None
+
     def start(self) -> None:
-        """The job is started: notices for the slices not lent to it, then follow the lease."""
+        """The job is started: notices for the slices not lent to it (single-process mode: their agents were
+        started), then follow the lease."""
         unlent = frozenset(range(self._config.num_slices)) - self.member.slices
-        if unlent:
+        if unlent and self._config.processes is None:
             self._notice(unlent, self._config.recovery_timeout_s, "not lent to the job by its pool")
         self.member.watch()
 
@@ -102,28 +121,59 @@ class PoolLease:
             self._log.warning("pool_notice_refused", slices=sorted(slices), error=str(err).splitlines()[0][:200])
 
     def granted(self, slices: frozenset[int]) -> None:
-        for s in sorted(slices):
-            self._spawn(s)
+        """Start an agent for each slice lent, all at once (a worker process takes seconds to start): the job grows
+        onto those that registered by its next step boundary, and onto the rest at a later one."""
+        starts = [threading.Thread(target=self._start, args=(s,), name=f"pool-spawn-{s}") for s in sorted(slices)]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+
+    def _start(self, index: int) -> None:
+        try:
+            self._spawn(index)
+        except Exception as err:  # noqa: BLE001 - its agent did not start: the job runs on the rest, the pool is told
+            self._log.error("pool_spawn_failed", slice=index, error=repr(err)[:200])
+            with self._lock:
+                self._failed.append(index)
+            self._work.put(("failed", frozenset({index})))
 
     # -- the job's side ---------------------------------------------------------------------------
     def committed(self, step: int, view: View) -> None:
-        """A commit sink: a step committed on ``view``; the slices it no longer holds that the pool asked back go."""
+        """A commit sink: a step committed on ``view``; the slices it no longer holds that the pool asked back go,
+        and those it held in an earlier committed view that it lost without being asked are reported failed."""
+        held = self.member.slices  # not the slices never lent (single-process mode ran on them before leaving them)
         with self._lock:
             gone = frozenset(s for s in self._pending if s not in view.active)
             self._pending -= gone
+            lost = frozenset(self._seen - view.active - gone - self._pending) & held
+            self._seen = ((self._seen | set(view.active)) & held) - gone - lost
+            self._failed.extend(sorted(lost))
         if gone:
-            self._work.put(gone)  # a Ray call: not on the loop's thread
+            self._work.put(("left", gone))  # a Ray call: not on the loop's thread
+        if lost:
+            self._work.put(("failed", lost))
 
     def _give_back(self) -> None:
-        while (slices := self._work.get()) is not None:
+        while (item := self._work.get()) is not None:
+            what, slices = item
             try:
-                self.member.left(slices)
+                if what == "left":
+                    self.member.left(slices)
+                else:
+                    self.member.failed(slices)
             except Exception as err:  # noqa: BLE001 - the pool restarting: its operator sees the lease; logged
-                self._log.warning("pool_give_back_failed", slices=sorted(slices), error=repr(err)[:200])
+                self._log.warning(f"pool_{what}_not_told", slices=sorted(slices), error=repr(err)[:200])
 
     def close(self) -> None:
-        """Every slice back to the pool; the threads end."""
+        """Every slice back to the pool (what was still to tell it told first); the threads end."""
         self._work.put(None)
-        self.member.close()
         if self._giver.is_alive():
             self._giver.join(timeout=30)
+        try:
+            below = self.member.lease_now().get("seconds_below_asked")
+        except Exception as err:  # noqa: BLE001 - the pool gone: the figure is missing, the job's result stands
+            self._log.warning("pool_lease_unread", error=repr(err)[:200])
+            below = None
+        self._extra["pool"] = {"seconds_below_asked": below, "slices_failed": list(self._failed)}
+        self.member.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -82,9 +82,10 @@ class ActorGroup:
         """The credential the job's agents answer (silence, stop, liveness): derived from the job's token."""
         return credential.derive(self.token, "control")
 
-    def launch(self, *, owned: Callable[[], None] | None = None) -> None:
-        """Start the supervisor and every agent; return once all registered and judging began. ``owned`` is called
-        once the job's supervisor is this client's (created or taken over), while the agents start."""
+    def launch(self, *, owned: Callable[[], None] | None = None, slices: Iterable[int] | None = None) -> None:
+        """Start the supervisor and every agent (``slices``: only those slices'; a pool lent the job no others);
+        return once all registered and judging began. ``owned`` is called once the job's supervisor is this
+        client's (created or taken over), while the agents start."""
         cfg = self._config
         if holder(SUPERVISOR_NAME, cfg.namespace) is not None:  # read from Ray's actor table: nothing is called
             self._take_over()
@@ -107,7 +108,7 @@ class ActorGroup:
         self.supervisor = Credentialed(handle, self.token)
         self._for_agents = Credentialed(handle, credential.derive(self.token, "agent"))  # registers and beats only
         write_token(cfg.job_name, self.token)
-        for index in range(cfg.num_slices):
+        for index in range(cfg.num_slices) if slices is None else sorted(slices):
             self.spawn_agent(index, wait=False)
         if owned is not None:
             owned()
@@ -177,8 +178,11 @@ class ActorGroup:
     @property
     def respawn_every_s(self) -> float | None:
         """How often a dead agent's slice may get a new one: ``Policy.respawn_every_s``; in multi-process mode with
-        ``Processes.replace_lost``, every second at most by default (a new process for a lost one)."""
+        ``Processes.replace_lost``, every second at most by default (a new process for a lost one). Never for a job
+        on a pool: the pool lends the replacement (:mod:`elastic.api.pool_lease`)."""
         cfg = self._config
+        if cfg.pool is not None:
+            return None
         if cfg.policy.respawn_every_s is not None:
             return cfg.policy.respawn_every_s
         return 1.0 if cfg.processes is not None and cfg.processes.replace_lost else None
@@ -211,9 +215,12 @@ class ActorGroup:
 
     def replace(self, index: int, dead: int) -> bool:
         """Start a new agent for slice ``index`` whose agent incarnation ``dead`` is known dead (multi-process mode:
-        its worker process died), unless a newer one is starting or runs. True if one was started."""
+        its worker process died), unless a newer one is starting or runs, or the job is on a pool (which lends the
+        replacement). True if one was started."""
         with self._lock:
-            if self._stop.is_set() or index in self._starting or self._incarnations.get(index) != dead:
+            if self._config.pool is not None or self._stop.is_set() or index in self._starting:
+                return False
+            if self._incarnations.get(index) != dead:
                 return False
             agent = self._spawn(index)
             incarnation = self._incarnations[index]

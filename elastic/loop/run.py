@@ -292,6 +292,8 @@ class Run:
 
         The leading size must split over every device count the job may shrink to, not only this mesh's:
         a batch that would not fails at the first step (``ConfigError`` naming the sizes), not after a shrink.
+        In multi-process mode every worker passes the same global batch (each places its own devices' rows; that
+        they are the same is not checked across processes).
         """
         rows = batch_rows(batch, what="run.shard_batch got")
         if rows not in self._rows_checked:
@@ -301,8 +303,21 @@ class Run:
 
     @functools.cached_property
     def _put_batch(self) -> Callable[[Any], Any]:
-        """One sharding and one guarded transfer per pass, not one per step."""
-        return functools.partial(self.guard(jax.device_put), device=batch_sharding(self.mesh))
+        """One sharding and one guarded transfer per pass, not one per step. Across processes each places its own
+        devices' rows of a host array (``jax.make_array_from_callback``): ``jax.device_put`` would first check that
+        every process passed the same value, an all-gather each step whose failure when a peer dies is a
+        ``ValueError``, not a runtime error the failure path knows."""
+        sharding = batch_sharding(self.mesh)
+        if jax.process_count() == 1:
+            return functools.partial(self.guard(jax.device_put), device=sharding)
+
+        def place(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array):
+                return jax.device_put(leaf, sharding)
+            rows = np.asarray(leaf)
+            return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+        return self.guard(lambda batch: jax.tree_util.tree_map(place, batch))
 
     def key(self, step: int) -> jax.Array:
         """The RNG key of ``step``: derived from the job's seed, the same on every mesh and after restore."""

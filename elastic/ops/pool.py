@@ -17,7 +17,7 @@ from typing import Any
 
 from elastic.ops.commands import add_credential
 
-__all__ = ["parse_quota", "register", "status_lines", "token_name"]
+__all__ = ["end_own_pool", "own_pool", "parse_quota", "register", "status_lines", "token_name"]
 
 
 def token_name(pool: str, user: str | None = None) -> str:
@@ -31,6 +31,28 @@ def parse_quota(text: str) -> tuple[str, int]:
     if not sep or not user or not count.strip().isdigit():
         raise argparse.ArgumentTypeError(f"a quota is USER=N (N slices at most for USER's jobs); got {text!r}")
     return user, int(count)
+
+
+def own_pool(name: str, slices: int, users: list[str]) -> tuple[Any, dict[str, str]]:
+    """A pool for this process's own use (a demo's), on the connected cluster: its operator's handle and each user's
+    credential, nothing written to disk. :func:`end_own_pool` ends it."""
+    from elastic.pool.access import user_credential
+    from elastic.pool.client import start_pool
+    from elastic.supervision import credential
+
+    token = credential.new_token()
+    return start_pool(name, slices, token, users=users), {u: user_credential(token, u) for u in users}
+
+
+def end_own_pool(pool: Any, name: str) -> None:
+    """Stop pool ``name`` (``pool``: its operator's handle, as :func:`own_pool` returned it) and forget its records."""
+    import ray
+
+    from elastic.pool.actor import stream_name
+    from elastic.supervision import identity
+
+    ray.kill(pool.handle, no_restart=True)
+    identity.forget(stream_name(name))
 
 
 def _connect(command: str) -> None:

@@ -4,8 +4,9 @@ A job numbers its slices ``0..max_slices-1``; the pool numbers its own. :class:`
 slice lent to the job takes the job's lowest free number and keeps it while lent. ``join`` submits the job and waits
 (bounded) until the pool lends it its minimum; ``watch`` starts a thread that long-polls the lease and tells the job,
 through its :class:`LeaseHooks`, which of its slices the pool reclaims (a notice: leave them at a step boundary)
-and which it was lent. The job says when it has left reclaimed slices (``left``), and they go back to the pool;
-``close`` gives every slice back. A pool that is restarting (its actor replaying its log) is asked again, bounded:
+and which it was lent. The job says when it has left reclaimed slices (``left``), and they go back to the pool, and
+when slices it held failed (``failed``: the pool replaces them, up to the job's spares); ``close`` gives every slice
+back. A pool that is restarting (its actor replaying its log) is asked again, bounded:
 the job keeps what it holds meanwhile.
 """
 
@@ -134,6 +135,23 @@ class PoolMember:
             pool_slices = sorted(s for s, n in self._slots.items() if n in mine)
         if pool_slices:
             self._take(self._pool.call("release", self.spec.name, pool_slices))
+
+    def lease_now(self) -> dict[str, Any]:
+        """The job's lease as the pool has it now (its ``seconds_below_asked`` included)."""
+        lease: dict[str, Any] = self._pool.call("lease", self.spec.name)
+        return lease
+
+    def failed(self, slices: Iterable[int]) -> None:
+        """These slices of the job (its numbers) failed while it held them: the pool stops lending them until they
+        return (``elastic pool mark --returned``), and replaces them from lower-priority jobs up to the job's
+        ``spares`` (a hot swap)."""
+        mine = set(slices)
+        with self._lock:
+            pool_slices = sorted(s for s, n in self._slots.items() if n in mine)
+        for s in pool_slices:
+            self._pool.call("slice_failed", s)
+        if pool_slices:
+            self._log.warning("pool_slices_failed", slices=pool_slices)
 
     def close(self) -> None:
         """Stop following and give every slice back (a pool that does not answer is logged, not raised)."""

@@ -36,3 +36,20 @@ def test_bad_pool_fields(kwargs, words) -> None:
         ElasticConfig(num_slices=4, **kwargs)
     text = str(info.value)
     assert "\n" not in text and all(w in text for w in words), text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"pool_size": 4}, ("needs at least 5 slices", "raise --slices")),
+        ({"kill_slice": 3}, ("one of high's 3 slices", "got 3")),
+        ({"kill_at": 55}, ("steps 1..49", "got 55")),
+    ],
+)
+def test_a_pool_demo_that_could_not_show_its_sequence_is_refused(kwargs, words) -> None:
+    from elastic.demos.pool import PoolDemoSpec
+
+    with pytest.raises(ConfigError) as info:
+        PoolDemoSpec(**kwargs)
+    text = str(info.value)
+    assert "\n" not in text and all(w in text for w in words), text

@@ -1,0 +1,50 @@
+"""``elastic demo --scenario pool --json --verify``, in a shorter run of the same sequence: two multi-process jobs on
+a pool of 5 slices; ``low`` shrinks in place for ``high`` (nothing recomputed), a worker of ``high`` is SIGKILLed and
+one of ``low``'s slices swapped in, the killed slice returns to ``low``, ``high`` ends and ``low`` grows back to 5;
+each job's parameters match a plain run's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic.cli import build_parser
+from elastic.demos.pool import PoolDemoSpec, run_pool_demo
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(600)
+def test_the_pool_demo_shows_its_sequence(ray_local) -> None:
+    args = build_parser().parse_args(["demo", "--scenario", "pool", "--json", "--verify"])
+    assert args.scenario == "pool" and args.slices is None  # filled in by the scenario's defaults: 5 slices of 1
+    spec = PoolDemoSpec(high_at=4, kill_at=5, pace_s=0.3)  # slower steps: time for each new worker to start and join
+    out = json.loads(json.dumps(run_pool_demo(spec, verify=True)))  # what --json prints
+    low, high = out["jobs"]["low"], out["jobs"]["high"]
+    for r in (low, high):
+        assert (r["duplicate_steps"], r["skipped_steps"]) == (0, 0), r
+        assert r["max_abs_param_diff_vs_reference"] <= 1e-4, r
+    assert (low["slices_initial"], low["min_slices_seen"], low["slices_final"]) == (5, 1, 5), low
+    assert (low["notices"], low["recoveries"], low["steps_recomputed"]) == (2, 0, 0), low
+    assert [d["steps_recomputed"] for d in low["notice_details"]] == [0, 0], low["notice_details"]
+    assert [d["slices"] for d in low["notice_details"]] == [[2, 3, 4], [1]], low["notice_details"]
+    assert (high["slices_initial"], high["min_slices_seen"], high["slices_final"]) == (3, 2, 3), high
+    assert high["recoveries"] == 1 and high["pool"]["slices_failed"] == [spec.kill_slice], high
+    assert high["seconds_below_asked"] <= spec.pace_s + 5.0, high["seconds_below_asked"]
+    reasons = [e["reason"] for e in out["timeline"] if e["event"] == "pool"]
+    killed = out["pool"]["killed_slice"]
+    expected = [
+        "lend 0,1,2,3,4 to low",
+        "reclaim 2,3,4 from low for high",
+        "lend 2,3,4 to high",
+        f"slice {killed} failed (held by high); reclaim 1 from low for high",
+        "lend 1 to high",
+        f"slice {killed} returned; lend {killed} to low",
+        "job high left",
+        "job low left",
+    ]
+    at = 0
+    for text in expected:  # in this order
+        at = next((i for i, r in enumerate(reasons) if i >= at and text in r), None)  # type: ignore[assignment]
+        assert at is not None, (text, reasons)

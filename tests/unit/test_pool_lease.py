@@ -1,0 +1,104 @@
+"""A job's lease as its commits see it (``PoolLease.committed``), against a fake pool: a reclaimed slice goes back once
+a step commits without it; a slice lost without a reclaim is reported failed, once; a slice lent but not yet joined
+is neither; the report gets the pool's figures at the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import elastic.api.pool_lease as pool_lease
+from elastic.config import ElasticConfig, Policy, Processes
+from elastic.supervision.membership import View
+from tests.conftest import until
+
+
+class FakePool:
+    """The pool's calls a lease makes, answered from a list of held slices (the pool's numbers = the job's here)."""
+
+    def __init__(self, held: list[int]) -> None:
+        self.held, self.version = list(held), 1
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def _lease(self) -> dict[str, Any]:
+        return {
+            "state": "running",
+            "slices": sorted(self.held),
+            "leave": [],
+            "why": {},
+            "version": self.version,
+            "reason": "",
+            "seconds_below_asked": 1.5,
+        }
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((method, args))
+        if method in ("release", "slice_failed"):
+            gone = args[1] if method == "release" else [args[0]]
+            self.held = [s for s in self.held if s not in gone]
+            self.version += 1
+        if method == "slice_failed":
+            return self.version
+        return None if method == "leave" else self._lease()
+
+
+@pytest.fixture
+def lease(monkeypatch):
+    def make(held: list[int], *, processes: bool = True) -> tuple[pool_lease.PoolLease, FakePool, dict[str, Any]]:
+        fake, extra = FakePool(held), {}
+        monkeypatch.setenv("ELASTIC_POOL_USER", "alice")
+        monkeypatch.setenv("ELASTIC_POOL_TOKEN", "t" * 64)
+        monkeypatch.setattr(pool_lease, "find_pool", lambda *a, **k: fake)
+        config = ElasticConfig(
+            num_slices=4, pool="p", policy=Policy(min_slices=1), processes=Processes() if processes else None
+        )
+        out = pool_lease.PoolLease(config, notice=lambda *a: None, spawn=lambda s: None, extra=extra)
+        out.join()
+        return out, fake, extra
+
+    return make
+
+
+def _told(fake: FakePool, method: str) -> list[tuple[Any, ...]]:
+    return [args for m, args in fake.calls if m == method]
+
+
+def test_a_reclaim_goes_back_and_a_loss_is_reported_once(lease) -> None:
+    job, fake, extra = lease([0, 1, 2])
+    assert job.launch_slices == {0, 1, 2}, "multi-process mode starts the lent slices' workers only"
+    job.committed(0, View(epoch=1, active=frozenset({0, 1, 2})))
+    job.reclaim(frozenset({2}), "high needs it")
+    job.committed(1, View(epoch=1, active=frozenset({0, 1, 2})))  # not left yet
+    job.committed(2, View(epoch=2, active=frozenset({0, 1})))
+    until(lambda: _told(fake, "release"), 10, "the slice given back")
+    job.committed(3, View(epoch=3, active=frozenset({0})))  # slice 1 lost, not reclaimed
+    job.committed(4, View(epoch=3, active=frozenset({0})))
+    until(lambda: _told(fake, "slice_failed"), 10, "the lost slice reported")
+    job.close()
+    assert [args[1] for args in _told(fake, "release")] == [[2]]
+    assert [args[0] for args in _told(fake, "slice_failed")] == [1], "reported once"
+    assert extra["pool"] == {"seconds_below_asked": 1.5, "slices_failed": [1]}
+
+
+def test_a_slice_lent_but_not_joined_yet_is_not_lost(lease) -> None:
+    job, fake, extra = lease([0])
+    job.committed(0, View(epoch=1, active=frozenset({0})))
+    fake.held = [0, 1]  # lent later: the member's map follows the lease
+    job.member._take({**fake._lease(), "version": 5}, tell=False)
+    job.committed(1, View(epoch=1, active=frozenset({0})))  # its worker still starting
+    job.committed(2, View(epoch=2, active=frozenset({0, 1})))
+    job.close()
+    assert not _told(fake, "slice_failed") and extra["pool"]["slices_failed"] == []
+
+
+def test_single_process_slices_never_lent_are_not_reported(lease) -> None:
+    job, fake, extra = lease([0, 1], processes=False)
+    assert job.launch_slices is None, "single-process mode starts every agent, then leaves the slices not lent"
+    job.committed(0, View(epoch=1, active=frozenset({0, 1, 2, 3})))
+    job.committed(1, View(epoch=2, active=frozenset({0, 1})))
+    fake.held = [0, 1, 2]
+    job.member._take({**fake._lease(), "version": 5}, tell=False)
+    job.committed(2, View(epoch=2, active=frozenset({0, 1})))  # 2 lent again, not joined yet
+    job.close()
+    assert not _told(fake, "slice_failed") and extra["pool"]["slices_failed"] == []
