@@ -1,13 +1,14 @@
 """What runs on each Slurm node (``elastic slurm start``) and in the batch step (``elastic slurm run``).
 
 ``run`` starts one task per node with ``srun --no-kill``; each task's ``start`` starts the node's Ray node. On
-the allocation's first node the Ray head starts first, its address goes to the job dir, and once every node of the
-allocation has joined, the entry point runs there as a Ray driver (``RAY_ADDRESS`` set: the job joins this
-cluster), its output in Slurm's. While it runs the head follows the job's node count and, as
-:class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits one-node jobs that join the cluster
-(``start --join``) to replace lost nodes. When it ends the head writes its exit status to the job dir, and every
-node (joined ones too) stops its Ray node and ends; at once (SIGKILL), as nothing of the job is left to save, where
-Ray's own graceful stop takes up to 20 s of a busy host. ``run`` exits with the entry point's status.
+the allocation's first node the Ray head starts, its address going to the job dir as it starts (the other nodes
+start theirs meanwhile, and join once it answers), and once every node of the allocation has joined, the entry
+point runs there as a Ray driver (``RAY_ADDRESS`` set: the job joins this cluster), its output in Slurm's. While it
+runs the head follows the job's node count and, as :class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits
+one-node jobs that join the cluster (``start --join``) to replace lost nodes. When it ends the head writes its exit
+status to the job dir, and every node (joined ones too) stops its Ray node and ends; at once (SIGKILL), as nothing
+of the job is left to save, where Ray's own graceful stop takes up to 20 s of a busy host. ``run`` exits with the
+entry point's status.
 
 SIGTERM, the first one (a second ends a task at once, its Ray node stopped hard):
 
@@ -134,6 +135,9 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
         for attempt in range(1, START_ATTEMPTS + 1):  # a Ray node that fails to start (a busy head) starts again
             if signals.count:
                 break
+            found = job_dir.head()  # the head's newest start: one that failed starts again on other ports
+            if found is not None and found.get("slurm_job_id") == head["slurm_job_id"]:
+                head = found
             ray_node = RayNode(
                 ip=ip,
                 temp_dir=_temp_dir(node, join),
@@ -175,6 +179,9 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             object_store_memory=options.get("object_store_memory"),
             log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
         )
+        # its address is known before it runs: the other nodes start their Ray nodes now, in parallel with it, and
+        # connect once its GCS answers (Ray tries for 20 s; a node whose `ray start` gives up starts again)
+        job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         try:
             head_node.wait_started(options["head_timeout_s"])
             break
@@ -186,7 +193,6 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             bound.warning("slurm_head_exited", attempt=attempt, error=str(err)[-400:])
     code = 1
     try:
-        job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         bound.info("slurm_head_started", address=head_node.address, nodes=node.num_nodes)
         code = _drive(job_dir, node, head_node, cmd, options, bound, signals)
     finally:
