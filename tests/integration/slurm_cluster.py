@@ -1,10 +1,10 @@
 """A real Slurm cluster on this machine for the integration tests: one ``munged``, one ``slurmctld`` and a
-``slurmd`` per node (``NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1``), each with its own port,
+``slurmd`` per node (``NodeName=n[1-6] NodeHostname=localhost NodeAddr=127.0.0.1``), each with its own port,
 spool and pid file under a temp dir of the cluster's own, with a munge socket and key of its own: nothing is
 shared with another Slurm on the machine. Debian's ``slurm-wlm`` and ``munge`` are installed with ``apt-get``
 when missing and the tests run as root; otherwise :func:`unavailable` says why, in one line, and they skip.
 
-Four nodes hold the job; the fifth is the spare a one-node join job lands on once a node is down
+Four nodes hold the job; the other two are the spares one-node join jobs land on once a node is down or left
 (``ReturnToService=1``: a node set down by the test stays down).
 """
 
@@ -26,7 +26,7 @@ BINARIES = ("slurmctld", "slurmd", "munged", "mungekey", "sbatch", "squeue", "sc
 INSTALL_TIMEOUT_S = 420
 READY_TIMEOUT_S = 90
 RESTART_AFTER_S = 30
-NODES = 5
+NODES = 6
 
 CONF = """\
 ClusterName=elastictest

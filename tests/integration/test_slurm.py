@@ -1,21 +1,26 @@
-"""The elastic job on a real Slurm (``tests/integration/slurm_cluster.py``: slurmctld and five slurmd on this
+"""The elastic job on a real Slurm (``tests/integration/slurm_cluster.py``: slurmctld and six slurmd on this
 machine), submitted with the sbatch template the package ships (``elastic slurm template``), running the demo's
-model (``python -m elastic.demos.slurm``) as a multi-process job, one worker per Slurm node.
+model (``python -m elastic.demos.slurm``) as a multi-process job, one worker per Slurm node. One job, submitted
+three times under the same name (``sbatch -N4``), each run with its part of Slurm's events:
 
-- ``sbatch -N4``; a node set down mid-run (``scontrol update state=down``): Slurm kills that node's processes
-  (its Ray node and the slice's worker among them), the job shrinks to 3 in place, asks Slurm for a one-node job,
-  which joins, and the job grows back to 4; the final parameters match a failure-free run.
-- The workers carry the allocation's ``SLURM_*`` variables, yet their ``jax.distributed`` group is the job's.
-- A SIGTERM to one node's task and a Slurm drain of another: notices, each slice left at a step boundary with
-  nothing recomputed; join jobs replace both nodes. Then the batch step signalled (``--signal=B:TERM@secs``, the
-  time limit coming): the job saves to the Orbax tier at a step boundary and ends; the same job name submitted again
-  resumes from exactly that step.
+1. A SIGTERM to one node's task (what ``--signal=TERM@secs`` delivered to that node's step is): a notice, the slice
+   left at a step boundary, nothing recomputed; a one-node join job grows the job back to 4. A Slurm drain of
+   another node: a notice too. Then the batch step signalled as the time limit comes (``--signal=B:TERM@secs``): the
+   job saves to the Orbax tier at a step boundary and ends.
+2. Submitted again: it resumes from exactly that step; once it saved a newer step to the Orbax tier, the whole
+   allocation is cancelled (``scancel``).
+3. Submitted again: it resumes from the newest step on disk. A node set down mid-run (``scontrol update
+   state=down``): Slurm kills that node's processes, the job shrinks to 3 in place, a join job grows it back to 4;
+   the final parameters match a failure-free run.
+
+The workers carry the allocation's ``SLURM_*`` variables, yet their ``jax.distributed`` group is the job's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,6 +43,7 @@ pytestmark = pytest.mark.integration
 ELASTIC = VENV_BIN / "elastic"
 START_TIMEOUT_S = 240  # submit -> the first steps: 4 Ray nodes and 4 workers started on a busy 2-core machine
 END_TIMEOUT_S = 360  # from the node loss to the job's end: recovery, a join job's Ray node and worker, the rest
+STEP_LINE = re.compile(r"\bstep (\d+) committed on (\d+) slices\b")
 
 
 @pytest.fixture(scope="module")
@@ -116,33 +122,170 @@ def _report(text: str) -> dict[str, Any]:
     return reports[-1]
 
 
-@pytest.mark.timeout(600)
-def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_path: Path, short_tmp: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    name = f"ej-grow-{secrets.token_hex(3)}"
-    # Each step takes 0.2 s at least, 2 s on fewer slices: time for the replacement's node and worker to come.
-    args = ("--steps", "45", "--pace", "0.2", "--pace-degraded", "2", "--snapshot-every", "5")
-    job = _submit(slurm, work, short_tmp, name, 4, *args)
-    out = lambda: _output(work, name, job) + slurm.log()  # noqa: E731
-    started = time.monotonic()
-    _wait(
-        "step 8 on 4 slices", lambda: "step 8 committed on 4 slices" in _output(work, name, job), START_TIMEOUT_S, out
-    )
-    reached_s = time.monotonic() - started
+def _steps(text: str) -> list[tuple[int, int]]:
+    """(step, slices) of each ``step N committed on K slices`` line, in order."""
+    return [(int(m[1]), int(m[2])) for m in STEP_LINE.finditer(text)]
 
-    # The workers have the allocation's SLURM_* (jax's own Slurm detection would find them), one per node.
+
+def _changes(text: str) -> list[int]:
+    """The slice counts the run went through, in order (each change once)."""
+    out: list[int] = []
+    for _, k in _steps(text):
+        if not out or out[-1] != k:
+            out.append(k)
+    return out
+
+
+def _saved(orbax: Path) -> set[int]:
+    """The steps the Orbax tier holds finished (a save still writing is a temp dir of another name)."""
+    try:
+        return {int(p.name) for p in orbax.iterdir() if p.name.isdigit()}
+    except OSError:
+        return set()
+
+
+def _workers(job: str) -> dict[int, dict[str, str]]:
+    """The job's slice workers (their environments): one per Slurm node, each with the allocation's SLURM_*."""
     workers = {pid: env for pid, env in processes_titled("ray::SliceWorker").items() if env.get("SLURM_JOB_ID") == job}
-    assert len(workers) == 4, workers.keys()
     for env in workers.values():
         assert {"SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"} <= set(env)
-    assert sorted(env["SLURMD_NODENAME"] for env in workers.values()) == ["n1", "n2", "n3", "n4"]
+    return workers
 
-    # A node goes down: Slurm removes it from the allocation and kills what ran there.
-    slurm.run("scontrol", "update", "nodename=n4", "state=down", "reason=elastic-test")
-    _wait("end of n4's processes", lambda: not slurm_cluster.processes_of(job, "n4"), 60, out)
 
-    # The job's status from outside the allocation, while it runs: its Slurm job and head, then the operator's view.
+def _common(report: dict[str, Any]) -> None:
+    assert report["mode"] == "multi-process", report
+    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
+    assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report  # a failure-free run of as many steps
+
+
+@pytest.mark.timeout(900)
+def test_a_job_through_slurms_events_warned_nodes_the_time_limit_scancel_and_a_node_down(
+    slurm, tmp_path: Path, short_tmp: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    name = f"ej-{secrets.token_hex(3)}"
+    orbax = work / ".elastic-slurm" / name / "orbax"
+    steps = ("--steps", "100", "--slices", "4", "--min-slices", "1", "--persistent-every", "10")
+    # Each step takes 0.2 s at least, 2.5 s on fewer slices: time for a join job's node and worker to come. One join
+    # job at most: the drained node is not replaced (the job stops right after it left). The run's one Orbax save is
+    # the stop's (a slice that leaves at a step whose periodic save is being written waits for the save to end).
+    first = _submit(
+        slurm, work, short_tmp, name, 4, *steps, "--persistent-every", "1000", "--pace", "0.2", "--pace-degraded",
+        "2.5", slurm_args="--drain-deadline 8 --max-joins 1",
+    )  # fmt: skip
+    text = lambda: _output(work, name, first)  # noqa: E731
+    out = lambda: text() + slurm.log()  # noqa: E731
+    started = time.monotonic()
+    _wait("step 3 on 4 slices", lambda: "step 3 committed on 4 slices" in text(), START_TIMEOUT_S, out)
+    reached_s = time.monotonic() - started
+    # The workers have the allocation's SLURM_* (jax's own Slurm detection would find them), one per node.
+    assert sorted(env["SLURMD_NODENAME"] for env in _workers(first).values()) == ["n1", "n2", "n3", "n4"]
+
+    # 1. n4 warned: a SIGTERM to its task (its `elastic slurm start`), what a scheduler's warning to one node is.
+    (task,) = [pid for pid, cmd in slurm_cluster.processes_of(first, "n4").items() if "slurm start" in cmd]
+    try:
+        os.kill(task, signal.SIGTERM)
+        _wait("the job on 3 slices", lambda: _changes(text())[:2] == [4, 3], 60, out)
+        _wait("the job back on 4 slices", lambda: len(_changes(text())) >= 3, END_TIMEOUT_S, out)
+        slurm.run("scontrol", "update", "nodename=n3", "state=drain", "reason=elastic-test-drain")
+        _wait("the job on 3 slices again", lambda: len(_changes(text())) >= 4, 60, out)
+        slurm.run("scancel", "--batch", "--signal=TERM", first)  # the time limit's warning
+        _wait("the stopped job's end", lambda: _ended(slurm, first), 120, out)
+    finally:
+        slurm.run("scontrol", "update", "nodename=n3", "state=resume")
+    r1 = text()
+    # submitted at once (Slurm starts it on nodes as they come free); paced, so that it still runs when cancelled
+    second = _submit(slurm, work, short_tmp, name, 4, *steps, "--pace", "0.2")
+    info = slurm.job(first)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, r1[-6000:])
+    report = _report(r1)
+    _common(report)
+    assert _changes(r1) == [4, 3, 4, 3], _steps(r1)
+    assert (report["notices"], report["recoveries"], report["planned_shrinks"]) == (2, 0, 2), report
+    assert report["min_slices_seen"] == 3 and report["grows"] == 1 and report["slices_final"] == 3, report
+    assert list(report["leaving_exit_codes"].values()) == [0, 0], report
+    details = report["notice_details"]
+    assert [d["source"] for d in details] == ["ray_drain", "ray_drain"], details
+    assert all(d["planned"] and d["steps_recomputed"] == 0 for d in details), details
+    for what, node in (("slurm_leave_forwarded", "n4"), ("slurm_drain_forwarded", "n3")):
+        lines = [line for line in r1.splitlines() if what in line]
+        assert len(lines) == 1 and f"node={node}" in lines[0], (what, lines)
+    assert "slurm_node_leaving" in r1 and "slurm_stop_requested" in r1 and "slurm_stop_forwarded" in r1
+    assert "the most the policy allows" in r1  # the drained node's replacement, not asked for
+    at = report["stopped"]["at_step"]
+    assert report["stopped"]["persisted_step"] == at and at < 100, report
+    assert report["steps_committed"] == at and report["steps_recomputed"] == 0, report
+    (join,) = slurm.jobs_named(f"{name}-join")
+    assert join["NodeList"] == "n5", join
+    _wait("the join job's end", lambda: _ended(slurm, join["JobId"]), 60, out)  # it stops once the job ended
+    assert slurm.job(join["JobId"])["ExitCode"] == "0:0", slurm.job(join["JobId"])
+
+    # 2. The same name again: it resumes from exactly the step saved at the stop. Once it saved a step of its own to
+    # the Orbax tier, the whole allocation is cancelled: SIGTERM to every process of every step, SIGKILL 5 s later.
+    text = lambda: _output(work, name, second)  # noqa: E731
+    out = lambda: text() + slurm.log()  # noqa: E731
+    own = (at // 10 + 1) * 10  # its first periodic save
+    _wait(f"step {own} in the Orbax tier", lambda: own in _saved(orbax), START_TIMEOUT_S + 60, out)
+    slurm.run("scancel", second)
+    _wait("the cancelled job's end", lambda: _ended(slurm, second) and not slurm_cluster.processes_of(second), 60, out)
+    r2 = text()
+    assert slurm.job(second)["JobState"] == "CANCELLED", slurm.job(second)
+    done = [s for s, _ in _steps(r2)]
+    assert done and done == list(range(at, at + len(done))), done  # from exactly the stop's step, none twice
+    newest = max(_saved(orbax))  # the newest save that finished: a periodic one, or the stop's if it made one
+    assert newest >= own and newest <= at + len(done), (newest, done)
+    assert len(slurm.jobs_named(f"{name}-join")) == 1, "the cancelled run asked for a join job"
+    assert "slurm_join_submitted" not in r2, r2[-3000:]
+
+    # 3. The same name again: it resumes from the newest step on disk. A node goes down: Slurm removes it from the
+    # allocation and kills what ran there; the job shrinks to 3 and a join job on a spare node grows it back to 4.
+    third = _submit(slurm, work, short_tmp, name, 4, *steps, "--pace", "0.2", "--pace-degraded", "2")
+    text = lambda: _output(work, name, third)  # noqa: E731
+    out = lambda: text() + slurm.log()  # noqa: E731
+    _wait("2 steps on 4 slices", lambda: sum(k == 4 for _, k in _steps(text())) >= 2, START_TIMEOUT_S, out)
+    nodes = sorted(env["SLURMD_NODENAME"] for env in _workers(third).values())
+    assert len(nodes) == 4, nodes
+    lost = nodes[-1]  # not the head's (the allocation's first node)
+    try:
+        slurm.run("scontrol", "update", f"nodename={lost}", "state=down", "reason=elastic-test")
+        _wait(f"end of {lost}'s processes", lambda: not slurm_cluster.processes_of(third, lost), 60, out)
+        _check_status(slurm, work, name, third)
+        _wait("the job's end", lambda: _ended(slurm, third), END_TIMEOUT_S, out)
+    finally:
+        slurm.run("scontrol", "update", f"nodename={lost}", "state=resume")
+    r3 = text()
+    info = slurm.job(third)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, r3[-6000:])
+    assert lost not in info["NodeList"] and info["NodeList"] != "", info  # Slurm shrank the allocation too
+    report = _report(r3)
+    _common(report)
+    assert report["resumed_from_tier"] == "persistent", report
+    assert report["restores"][0] == {**report["restores"][0], "step": newest, "tier": "persistent"}, report
+    assert _steps(r3)[0][0] == newest, _steps(r3)[:3]
+    assert report["steps_committed"] == 100 and report["slices_final"] == 4, report
+    # The job shrank to 3; on a loaded machine a survivor's process may die too as its group breaks (the runtime
+    # counts it in survivors_lost and replaces it on its own node): then it went to 2 before it grew back.
+    lowest = report["min_slices_seen"]
+    assert lowest == 3 or (lowest == 2 and report["survivors_lost"] >= 1), report
+    assert _changes(r3)[0] == 4 and _changes(r3)[-1] == 4 and lowest in _changes(r3), _changes(r3)
+    assert report["recoveries"] >= 1 and report["grows"] >= 1, report
+    assert report["steps_recomputed"] <= 5, report  # at most the steps since the newest snapshot
+    joins = [j for j in slurm.jobs_named(f"{name}-join") if j["JobId"] != join["JobId"]]
+    assert len(joins) == 1 and joins[0]["NodeList"] not in nodes, joins  # a spare node
+    _wait("the join job's end", lambda: _ended(slurm, joins[0]["JobId"]), 60, out)
+    assert slurm.job(joins[0]["JobId"])["ExitCode"] == "0:0", slurm.job(joins[0]["JobId"])
+    gone = lambda: not any(slurm_cluster.processes_of(j) for j in (first, third, joins[0]["JobId"]))  # noqa: E731
+    _wait("end of the runs' processes", gone, 60, out)
+    print(
+        f"step 3 after {reached_s:.1f}s, stopped at {at}, cancelled after saving {newest}, all done after "
+        f"{time.monotonic() - started:.1f}s; lowest {lowest} slices, survivors_lost {report['survivors_lost']}"
+    )
+
+
+def _check_status(slurm: slurm_cluster.Slurm, work: Path, name: str, job: str) -> None:
+    """The job's status from outside the allocation, while it runs: its Slurm job and head, then the operator's
+    view through the variables ``elastic slurm status`` printed."""
     found = subprocess.run(
         [str(ELASTIC), "slurm", "status", "--job", name, "--dir", str(work / ".elastic-slurm"), "--json"],
         env=slurm.env,
@@ -162,116 +305,6 @@ def test_a_node_down_shrinks_the_job_and_a_join_job_grows_it_back(slurm, tmp_pat
         timeout=120,
     )
     assert found.returncode == 0 and json.loads(found.stdout)["job"] == name, found.stdout + found.stderr
-
-    _wait("the job's end", lambda: _ended(slurm, job), END_TIMEOUT_S, out)
-    text = _output(work, name, job)
-    info = slurm.job(job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-6000:])
-    assert info["NodeList"] == "n[1-3]", info  # Slurm shrank the allocation too
-
-    report = _report(text)
-    assert report["mode"] == "multi-process" and report["steps_committed"] == 45, report
-    # The job shrank to 3; on a loaded machine a survivor's process may die too as its group breaks (the runtime
-    # counts it in survivors_lost and replaces it on its own node): then it went to 2 before it grew back.
-    lowest = report["min_slices_seen"]
-    assert lowest == 3 or (lowest == 2 and report["survivors_lost"] >= 1), report
-    assert report["slices_final"] == 4, report
-    assert report["recoveries"] >= 1 and report["grows"] >= 1, report
-    assert report["steps_recomputed"] <= 5, report  # at most the steps since the newest snapshot
-    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
-    assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report
-    low = f"on {lowest} slices"
-    assert low in text and text.rfind("on 4 slices") > text.find(low), text[-3000:]
-
-    # The job asked Slurm for the replacement: a one-node job named after it, run on the spare node.
-    joins = slurm.jobs_named(f"{name}-join")
-    assert len(joins) == 1 and joins[0]["NodeList"] == "n5", joins
-    _wait("the join job's end", lambda: _ended(slurm, joins[0]["JobId"]), 60, out)  # it stops once the job ended
-    joins = slurm.jobs_named(f"{name}-join")
-    assert joins[0]["JobState"] == "COMPLETED" and joins[0]["ExitCode"] == "0:0", joins
-    assert not slurm_cluster.processes_of(job) and not slurm_cluster.processes_of(joins[0]["JobId"])
-    print(
-        f"step 8 after {reached_s:.1f}s, job done after {time.monotonic() - started:.1f}s, "
-        f"lowest {lowest} slices, survivors_lost {report['survivors_lost']}"
-    )
-    slurm.run("scontrol", "update", "nodename=n4", "state=resume")
-
-
-@pytest.mark.timeout(600)
-def test_nodes_warned_leave_at_a_step_boundary_and_the_time_limits_warning_saves_the_job_for_its_resubmission(
-    slurm, tmp_path: Path, short_tmp: Path
-) -> None:
-    """On a 3-node job, a SIGTERM to n3's task (its ``elastic slurm start``), then, once the job left n3,
-    ``scontrol update nodename=n2 state=drain``: each a notice for the slice there (a Ray drain of its Ray node,
-    ``--drain-deadline`` of warning); the job leaves both at step boundaries, recomputing nothing, their workers
-    exiting 0; the head asks for one-node jobs to replace the nodes, and the job grows back onto them. Then the batch
-    step is signalled as ``--signal=B:TERM@secs`` does when the time limit comes (``scancel --batch --signal=TERM``):
-    the job saves its state to the Orbax tier at the next step boundary and ends; the same job name submitted again
-    resumes from exactly that step."""
-    work = tmp_path / "work"
-    work.mkdir()
-    name = f"ej-warn-{secrets.token_hex(3)}"
-    # 2.5 s a step below 3 slices: time for the join jobs' nodes and, past the deadline, the new workers
-    steps = ("--steps", "80", "--slices", "3", "--min-slices", "1", "--persistent-every", "10")
-    args = (*steps, "--pace", "0.2", "--pace-degraded", "2.5")
-    job = _submit(slurm, work, short_tmp, name, 3, *args, slurm_args="--drain-deadline 8")
-    out = lambda: _output(work, name, job) + slurm.log()  # noqa: E731
-    _wait(
-        "step 6 on 3 slices", lambda: "step 6 committed on 3 slices" in _output(work, name, job), START_TIMEOUT_S, out
-    )
-    (task,) = [pid for pid, cmd in slurm_cluster.processes_of(job, "n3").items() if "slurm start" in cmd]
-    try:
-        os.kill(task, signal.SIGTERM)  # what a scheduler's warning to one node's task is
-        _wait("the job on 2 slices", lambda: "on 2 slices" in _output(work, name, job), 60, out)
-        slurm.run("scontrol", "update", "nodename=n2", "state=drain", "reason=elastic-test-drain")
-
-        def back_to_3() -> bool:
-            text = _output(work, name, job)
-            return text.count("left_on_notice") == 2 and text.rfind("on 3 slices") > text.rfind("on 2 slices")
-
-        _wait("the job back on 3 slices", back_to_3, END_TIMEOUT_S, out)
-        slurm.run("scancel", "--batch", "--signal=TERM", job)  # the time limit's warning
-        _wait("the stopped job's end", lambda: _ended(slurm, job), 120, out)
-    finally:
-        slurm.run("scontrol", "update", "nodename=n2", "state=resume")
-    text = _output(work, name, job)
-    info = slurm.job(job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-6000:])
-    report = _report(text)
-    assert (report["notices"], report["recoveries"], report["planned_shrinks"]) == (2, 0, 2), report
-    assert list(report["leaving_exit_codes"].values()) == [0, 0], report
-    assert [d["source"] for d in report["notice_details"]] == ["ray_drain", "ray_drain"], report["notice_details"]
-    assert all(d["planned"] for d in report["notice_details"]), report["notice_details"]
-    for what, node in (("slurm_drain_forwarded", "n2"), ("slurm_leave_forwarded", "n3")):
-        lines = [line for line in text.splitlines() if what in line]
-        assert len(lines) == 1 and f"node={node}" in lines[0], (what, lines)
-    assert "slurm_node_leaving" in text and "slurm_stop_requested" in text and "slurm_stop_forwarded" in text
-    assert report["min_slices_seen"] in (1, 2) and report["grows"] >= 1 and report["slices_final"] == 3, report
-    at = report["stopped"]["at_step"]
-    assert report["stopped"]["persisted_step"] == at and at < 80, report
-    assert report["steps_committed"] == at and report["steps_recomputed"] == 0, report
-    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
-    assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report  # a failure-free run of as many steps
-    joins = slurm.jobs_named(f"{name}-join")
-    assert len(joins) == 2 and sorted(j["NodeList"] for j in joins) == ["n4", "n5"], joins
-
-    # submitted at once (Slurm starts it on nodes as they come free), unpaced: the rest of the run at full speed
-    again = _submit(slurm, work, short_tmp, name, 3, *steps)
-    out2 = lambda: _output(work, name, again) + slurm.log()  # noqa: E731
-    _wait("the resubmitted job's end", lambda: _ended(slurm, again), START_TIMEOUT_S + 60, out2)
-    text = _output(work, name, again)
-    assert slurm.job(again)["ExitCode"] == "0:0", (slurm.job(again), text[-6000:])
-    report = _report(text)
-    assert report["resumed_from_tier"] == "persistent" and report["stopped"] is None, report
-    assert report["restores"][0]["step"] == at and report["restores"][0]["tier"] == "persistent", report
-    assert f"step {at - 1} committed" not in text and f"step {at} committed" in text, text[-3000:]
-    assert report["steps_committed"] == 80 and report["steps_recomputed"] == 0, report
-    assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0, report
-    assert report["max_abs_param_diff_vs_reference"] <= 1e-4, report
-    for j in joins:  # they stopped when the first run ended
-        assert _ended(slurm, j["JobId"]) and slurm.job(j["JobId"])["ExitCode"] == "0:0", slurm.job(j["JobId"])
-    gone = lambda: not (slurm_cluster.processes_of(job) or slurm_cluster.processes_of(again))  # noqa: E731
-    _wait("end of the runs' processes", gone, 60, out2)
 
 
 @pytest.mark.timeout(120)

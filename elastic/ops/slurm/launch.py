@@ -1,12 +1,14 @@
 """What runs on each Slurm node (``elastic slurm start``) and in the batch step (``elastic slurm run``).
 
 ``run`` starts one task per node with ``srun --no-kill``; each task's ``start`` starts the node's Ray node. On
-the allocation's first node the Ray head starts first, its address goes to the job dir, and once every node of the
-allocation has joined, the entry point runs there as a Ray driver (``RAY_ADDRESS`` set: the job joins this
-cluster), its output in Slurm's. While it runs the head follows the job's node count and, as
-:class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits one-node jobs that join the cluster
-(``start --join``) to replace lost nodes. When it ends the head writes its exit status to the job dir, and every
-other node (joined ones too) stops its Ray node and ends. ``run`` exits with the entry point's status.
+the allocation's first node the Ray head starts, its address going to the job dir as it starts (the other nodes
+start theirs meanwhile, and join once it answers), and once every node of the allocation has joined, the entry
+point runs there as a Ray driver (``RAY_ADDRESS`` set: the job joins this cluster), its output in Slurm's. While it
+runs the head follows the job's node count and, as :class:`~elastic.ops.slurm.regrow.RegrowPolicy` says, submits
+one-node jobs that join the cluster (``start --join``) to replace lost nodes. When it ends the head writes its exit
+status to the job dir, and every node (joined ones too) stops its Ray node and ends; at once (SIGKILL), as nothing
+of the job is left to save, where Ray's own graceful stop takes up to 20 s of a busy host. ``run`` exits with the
+entry point's status.
 
 SIGTERM, the first one (a second ends a task at once, its Ray node stopped hard):
 
@@ -15,7 +17,10 @@ SIGTERM, the first one (a second ends a task at once, its Ray node stopped hard)
   (``ElasticJob(stop_signal="SIGTERM")``);
 - to a node's task: the node asks the head to drain its Ray node, by ``--drain-deadline`` (a notice: its slice
   leaves at a step boundary), and stops once its Ray node has ended (drained and idle) or the deadline has passed;
-- to the head's task: the head's node cannot leave (it runs the driver and the Ray head): the job stops, as above.
+- to the head's task: the head's node cannot leave (it runs the driver and the Ray head): the job stops, as above,
+  the head passing its SIGTERM on to the entry point from the handler;
+- to every task and the batch step at once (``scancel``): the job stops, as above; once it stops the head takes no
+  node's request to leave and submits no join job (the nodes are ending with the job, not leaving it).
 """
 
 from __future__ import annotations
@@ -51,17 +56,38 @@ def _temp_dir(node: SlurmNode, joined: bool) -> Path:
 
 
 class _Signals:
-    """SIGTERM to this task: the first is recorded (a request to leave or to stop, acted on by the task's loop), a
-    second unwinds at once (Slurm SIGKILLs what is left after its ``KillWait``)."""
+    """SIGTERM to this task: the first is recorded (a request to leave or to stop, acted on by the task's loop) and,
+    once :meth:`forward_to` named a process, passed on to it at once; a second unwinds at once (Slurm SIGKILLs what
+    is left after its ``KillWait``)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.forwarded = False
+        self._to: subprocess.Popen[Any] | None = None
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count > 1:
             raise SystemExit(128 + signum)
+        if self._to is not None:
+            self.forward()
+
+    def forward_to(self, proc: subprocess.Popen[Any]) -> None:
+        """Pass a SIGTERM to this task on to ``proc`` (the entry point) from the handler itself: when Slurm signals
+        every process of the task (``scancel``), the entry point has its own copy too, and two copies that close
+        together are one request to it (:mod:`elastic.control.stop_signal`), where one forwarded a poll later
+        would end it at once."""
+        self._to = proc
+        if self.count:
+            self.forward()
+
+    def forward(self) -> None:
+        """SIGTERM to the process named by :meth:`forward_to`, once."""
+        if self._to is not None and not self.forwarded:
+            self.forwarded = True
+            if self._to.poll() is None:
+                self._to.send_signal(signal.SIGTERM)
 
     @property
     def hard(self) -> bool:
@@ -109,6 +135,9 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
         for attempt in range(1, START_ATTEMPTS + 1):  # a Ray node that fails to start (a busy head) starts again
             if signals.count:
                 break
+            found = job_dir.head()  # the head's newest start: one that failed starts again on other ports
+            if found is not None and found.get("slurm_job_id") == head["slurm_job_id"]:
+                head = found
             ray_node = RayNode(
                 ip=ip,
                 temp_dir=_temp_dir(node, join),
@@ -130,7 +159,8 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
                         break
                     time.sleep(POLL_S / 2)
             finally:
-                ray_node.stop(hard=signals.hard)
+                # the job has ended: nothing of it is left on this node to save (a node that leaves stops gracefully)
+                ray_node.stop(hard=signals.hard or job_dir.exit_code(head["slurm_job_id"]) is not None)
             if leave_by is not None or job_dir.exit_code(head["slurm_job_id"]) is not None:
                 break
             bound.warning("slurm_node_exited", attempt=attempt, log=ray_node.log_tail(400))
@@ -149,6 +179,9 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             object_store_memory=options.get("object_store_memory"),
             log_path=job_dir.path / f"ray-{node.job_id}-{node.node_name}.log",
         )
+        # its address is known before it runs: the other nodes start their Ray nodes now, in parallel with it, and
+        # connect once its GCS answers (Ray tries for 20 s; a node whose `ray start` gives up starts again)
+        job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         try:
             head_node.wait_started(options["head_timeout_s"])
             break
@@ -160,12 +193,11 @@ def start_node(job_dir: JobDir, *, join: bool, cmd: Sequence[str], options: dict
             bound.warning("slurm_head_exited", attempt=attempt, error=str(err)[-400:])
     code = 1
     try:
-        job_dir.write_head(address=head_node.address, slurm_job_id=node.job_id, num_nodes=node.num_nodes)
         bound.info("slurm_head_started", address=head_node.address, nodes=node.num_nodes)
         code = _drive(job_dir, node, head_node, cmd, options, bound, signals)
     finally:
         job_dir.mark_done(node.job_id, code)
-        head_node.stop(hard=signals.hard)
+        head_node.stop(hard=True)  # the entry point has ended (or never started): nothing of the job is left
         bound.info("slurm_head_stopped", exit_code=code)
     return code
 
@@ -209,13 +241,19 @@ def _drive(
         below_since: float | None = None
         last = ""
         stopping = False
+        signals.forward_to(proc)
         while proc.poll() is None:
             time.sleep(POLL_S)
             why = job_dir.stop_request(node.job_id) or ("SIGTERM to the head's task" if signals.count else None)
             if why and not stopping:  # the entry point saves to the persistent tier at a step boundary and ends
                 stopping = True
-                proc.send_signal(signal.SIGTERM)
+                signals.forward()
                 bound.warning("slurm_stop_forwarded", reason=why, pid=proc.pid)
+                # the job is ending (the time limit, or `scancel`, whose SIGTERM reached every task: their requests
+                # to leave are not notices, and a node's Ray node ending is no loss to replace)
+                bound.info("slurm_regrow_hold", reason="the job is stopping: no node leaves, no join job")
+            if stopping:
+                continue
             alive, joined_jobs, nodes = _hosts(drains.down)
             drains.leave(nodes, job_dir.take_leaves())  # a node's task signalled: a notice for its slice
             now = time.monotonic()
