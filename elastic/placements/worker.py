@@ -130,7 +130,11 @@ class SliceWorker:
         check_control(self._control, token, "depart", self._log)
         self._heartbeat.stop()
         self._holdings.end()
-        self._tiers.close()
+        if self._tiers.persistent is not None and distributed.joined():
+            # An Orbax save of the group this slice left may wait at a barrier for the survivors, who re-formed
+            # without it and will never come: shut the client first so that the save fails now (as in prepare).
+            distributed.disconnect()
+        self._tiers.close(timeout_s=30.0)
         self._prepared = self._runner.final = None
         left_s = distributed.leave() if distributed.joined() else 0.0
         self._log.info("departed", left_s=round(left_s, 3))
