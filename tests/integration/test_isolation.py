@@ -68,17 +68,33 @@ def forge(job: str, run: str, writer: str, seq: int, **fields) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def attacker():
+    """Another job on the same cluster, running (its supervisor and agents up, its credential live), for the whole
+    module: the tests only use its credential against a job of their own, which leaves it as it was. It beats
+    once a second: it is not watched here, only a presence beside the other tests."""
+    from elastic.control.cluster import connect
+
+    connect()
+    other = ActorGroup(config(f"iso-b-{uuid.uuid4().hex[:6]}", heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0))
+    try:
+        other.launch()
+        yield other
+    finally:
+        other.shutdown()
+        events.delete(other._config.job_name)
+
+
 @pytest.fixture
-def two_jobs(ray_local):
-    mine, other = (ActorGroup(config(f"iso-{name}-{uuid.uuid4().hex[:6]}")) for name in ("a", "b"))
+def two_jobs(ray_local, attacker):
+    """A job of this test's own (attacked), and the module's attacker job."""
+    mine = ActorGroup(config(f"iso-a-{uuid.uuid4().hex[:6]}"))
     try:
         mine.launch()
-        other.launch()
-        yield mine, other
+        yield mine, attacker
     finally:
-        for group in (mine, other):
-            group.shutdown()
-            events.delete(group._config.job_name)
+        mine.shutdown()
+        events.delete(mine._config.job_name)
 
 
 def test_another_job_can_neither_command_nor_read_the_supervisor(two_jobs):
