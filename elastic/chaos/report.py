@@ -85,6 +85,8 @@ class ScheduleResult:
             "recomputed": r.recomputed,
             "restores": [dict(x) for x in r.restores],
             "min_slices_seen": r.min_slices_seen,
+            "notices": [dict(n) for n in r.notices],  # each given: reason, slices, deadline, refused, killed_at
+            "notice_details": [dict(d) for d in r.notice_details],  # the report's, per notice acted on
             "error": r.error,
             "promises": {p.promise: p.status for p in self.verdict.promises},
             "replay": self.replay,

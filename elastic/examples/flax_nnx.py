@@ -195,10 +195,13 @@ def run_example(
     verify: bool = False,
     mode: str = "single-process",
     slices: int = 4,
+    standby: bool = True,
 ) -> dict[str, Any]:
     """Run the job (and with ``verify`` its plain-NNX reference); the JSON-ready summary. ``mode``:
-    ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies)."""
-    processes = elastic.Processes() if mode == "multi-process" else None
+    ``"multi-process"`` runs each slice as a worker process (the killed slice's process really dies); ``standby``
+    False there: no helper processes compile the step for the group one slice smaller (the first step after the
+    loss compiles instead)."""
+    processes = elastic.Processes(standby=standby) if mode == "multi-process" else None
     config = elastic.ElasticConfig(
         simulated=True,
         job_name="flax-nnx",
@@ -254,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         default="single-process",
         help="multi-process: each slice a worker process (jax.distributed); the reference runs here",
     )
+    parser.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="multi-process: no standby group compiling for one slice fewer (fewer processes; the move compiles)",
+    )
     args = parser.parse_args(argv)
     if args.slices < 3:
         parser.error(f"--slices must be at least 3 (slice 1 is killed and at least 2 must stay), got {args.slices}")
@@ -270,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         verify=args.verify,
         mode=args.mode,
         slices=args.slices,
+        standby=not args.no_standby,
     )
     if args.json:
         print(json.dumps(out), file=result, flush=True)

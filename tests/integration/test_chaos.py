@@ -29,11 +29,17 @@ def readme_block(first_line: str) -> str:
     return block
 
 
-def chaos(*args: str, cwd: Path | None = None, stderr: list[str] | None = None, join: bool = False) -> dict:
+def chaos(
+    *args: str,
+    cwd: Path | None = None,
+    stderr: list[str] | None = None,
+    join: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict:
     """``elastic chaos --json *args``: its one JSON object. ``join``: on this process's Ray cluster (RAY_ADDRESS, as
     a job submitted to a cluster runs), importing what that cluster's workers import, not on an embedded one started
-    for the command (with the installed package only)."""
-    env = {**os.environ, "PYTHONPATH": ""}
+    for the command (with the installed package only). ``env``: variables set for the command."""
+    env = {**os.environ, "PYTHONPATH": "", **(env or {})}
     if join:
         import ray
 
@@ -74,17 +80,6 @@ def test_chaos_cli_on_the_demo(ray_local):
     assert [r["scenario"] for r in out["runs"]] == ["kill", "corrupt"]
     assert [r["faults"][0]["phase"] for r in out["runs"]] == ["snapshot", "step"]
     assert all(r["restores"] for r in out["runs"]) and out["recovered"] == 2
-
-
-@pytest.mark.timeout(300)
-def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(monkeypatch, ray_local):
-    """Each group the driver forms hosts a coordination service, whose native log warned at each one (and logged an
-    error for a group a fault kept from forming): a quiet run prints its own progress lines only."""
-    err: list[str] = []
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # what a parent that imported jax passes on (jax's default)
-    out = chaos("--mode", "multi-process", "--seed", "7", "--index", "1", "--steps", "16", stderr=err, join=True)
-    assert_survived(out, 1)
-    assert len(err) == 1 and err[0].startswith("schedule 1 transient: finished"), err
 
 
 @pytest.mark.timeout(300)
@@ -210,16 +205,25 @@ PROCESS_SCENARIOS = ["kill_while_forming", "supervisor_restart", "notice_then_ki
 
 
 @pytest.fixture(scope="module")
-def process_chaos():
-    """One multi-process chaos run for the module: its failure-free reference once, then one schedule per scenario of
-    PROCESS_SCENARIOS (seed 7, 20 steps: the process faults of the tests below), through the runner the
-    ``elastic_chaos`` fixture calls (that fixture is function-scoped; the README's use of it is tested above)."""
-    from elastic.chaos.runner import ChaosRunner
+def process_chaos() -> tuple[dict, list[str]]:
+    """One multi-process chaos run for the module, through ``elastic chaos --json`` (its stderr kept): its
+    failure-free reference once, then one schedule per scenario of PROCESS_SCENARIOS (seed 7, 20 steps: the process
+    faults of the tests below), on this session's Ray. TF_CPP_MIN_LOG_LEVEL=1 is what a parent that imported jax
+    passes on (jax's default)."""
     from elastic.control.cluster import connect
 
     connect()
-    runner = ChaosRunner(quiet_process_target, seed=7, steps=20, scenarios=PROCESS_SCENARIOS)
-    return runner.run(len(PROCESS_SCENARIOS))
+    err: list[str] = []
+    out = chaos(
+        *("--mode", "multi-process", "--target", "tests.integration.test_chaos:quiet_process_target"),
+        *("--seed", "7", "--schedules", str(len(PROCESS_SCENARIOS)), "--steps", "20"),
+        *("--scenarios", ",".join(PROCESS_SCENARIOS)),
+        cwd=ROOT,
+        stderr=err,
+        join=True,
+        env={"TF_CPP_MIN_LOG_LEVEL": "1"},
+    )
+    return out, err
 
 
 @pytest.mark.timeout(400)
@@ -227,15 +231,25 @@ def test_the_fixture_drives_a_multi_process_job_with_real_process_faults(process
     """The chaos runner on a multi-process target: a worker process SIGKILLed, then a second one SIGKILLed while
     the group re-forms without the first (a survivor lost during the re-formation is one more loss); the supervisor
     killed by the driver and restarted by Ray, then a worker SIGKILLed (the restarted supervisor sees it)."""
-    result = process_chaos
-    assert result.ok, result.violations
-    runs = {r.schedule.scenario: r for r in result.results}
+    out, _ = process_chaos
+    assert_survived(out, len(PROCESS_SCENARIOS))
+    runs = {r["scenario"]: r for r in out["runs"]}
     assert sorted(runs) == sorted(PROCESS_SCENARIOS)
     forming, restart = runs["kill_while_forming"], runs["supervisor_restart"]
-    assert [f.phase for f in forming.schedule.faults] == ["step", "forming"] and forming.injected == 2, forming
-    assert forming.record.outcome == "finished" and forming.record.restores, forming.record
-    assert [f.kind for f in restart.schedule.faults] == ["supervisor_restart", "kill"] and restart.injected == 2
-    assert restart.record.outcome == "finished" and restart.record.restores and restart.recovered, restart.record
+    assert [f["phase"] for f in forming["faults"]] == ["step", "forming"] and forming["injected"] == 2, forming
+    assert forming["outcome"] == "finished" and forming["restores"], forming
+    assert [f["kind"] for f in restart["faults"]] == ["supervisor_restart", "kill"] and restart["injected"] == 2
+    assert restart["outcome"] == "finished" and restart["restores"], restart
+
+
+@pytest.mark.timeout(400)
+def test_chaos_cli_in_multi_process_mode_prints_its_progress_and_nothing_native(process_chaos):
+    """Each group the driver forms hosts a coordination service, whose native log warned at each one (and logged an
+    error for a group a fault kept from forming): a quiet run prints its own progress lines only, one a schedule.
+    (The module's multi-process chaos run: its faults re-form the group, once while it forms.)"""
+    out, err = process_chaos
+    expected = [f"schedule {r['index']} {r['scenario']}: finished" for r in out["runs"]]
+    assert len(err) == len(expected) and all(line.startswith(e) for line, e in zip(err, expected, strict=True)), err
 
 
 NOTICES = [
@@ -251,6 +265,12 @@ def _details(run) -> dict:
     """The report's figure of each notice the run was given, by the notice's reason."""
     by_reason = {d["reason"]: d for d in run.record.notice_details}
     return {n["reason"]: (n, by_reason.get(n["reason"])) for n in run.record.notices}
+
+
+def _json_details(run: dict) -> dict:
+    """:func:`_details` of a run in ``elastic chaos --json``'s output."""
+    by_reason = {d["reason"]: d for d in run["notice_details"]}
+    return {n["reason"]: (n, by_reason.get(n["reason"])) for n in run["notices"]}
 
 
 @pytest.mark.timeout(300)
@@ -300,11 +320,12 @@ def test_a_notice_then_a_kill_at_its_deadline_in_multi_process_mode(process_chao
     """Multi-process: the driver gives the notice from a thread; the leaving worker donates what only it holds and
     exits; the process it ran in is killed at the deadline. Nothing recomputed, nothing restored. (The module's
     multi-process chaos run: its notice_then_kill schedule.)"""
-    (run,) = [r for r in process_chaos.results if r.schedule.scenario == "notice_then_kill"]
-    assert run.recovered and {p.status for p in run.verdict.promises} <= {"pass", "n/a"}, run.verdict
-    ((notice, detail),) = _details(run).values()
-    assert notice["refused"] is None and detail is not None, (notice, run.record.notice_details)
-    assert notice["killed_at"] >= notice["deadline"] and run.injected == 2, notice  # the driver's last commit waited
+    out, _ = process_chaos
+    (run,) = [r for r in out["runs"] if r["scenario"] == "notice_then_kill"]
+    assert run["outcome"] == "finished" and set(run["promises"].values()) <= {"pass", "n/a"}, run
+    ((notice, detail),) = _json_details(run).values()
+    assert notice["refused"] is None and detail is not None, (notice, run["notice_details"])
+    assert notice["killed_at"] >= notice["deadline"] and run["injected"] == 2, notice  # the driver's last commit waited
     assert detail["planned"] and detail["steps_recomputed"] == 0, detail
-    assert run.record.recomputed == 0 and not run.record.restores, run.record
-    assert run.verdict["notices_recompute_nothing"].status == "pass"
+    assert run["recomputed"] == 0 and not run["restores"], run
+    assert run["promises"]["notices_recompute_nothing"] == "pass"

@@ -116,8 +116,8 @@ def test_example_runs_and_verifies(module, ray_local):
 def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit(ray_local):
     """The same example with a worker process per slice (3 slices; slice 1's process SIGKILLed, the survivors
     re-forming in place): every leaf equals, bit for bit, plain NNX replayed in plain processes over the same slices
-    at the same steps. (A new process joining is the demo's and test_processes.py's; here it would double the test's
-    time.)"""
+    at the same steps. (A new process joining is the demo's and test_processes.py's, and the standby group
+    test_processes.py's; here they would double the test's time.)"""
     proc = subprocess.run(
         [
             sys.executable,
@@ -135,6 +135,7 @@ def test_the_nnx_example_in_multi_process_mode_matches_a_replay_bit_for_bit(ray_
             "12",
             "--slices",
             "3",
+            "--no-standby",
         ],
         capture_output=True,
         text=True,

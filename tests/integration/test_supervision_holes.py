@@ -70,9 +70,13 @@ def supervised(ray_local):
     supervisors: list[Any] = []
     actors: list[Any] = []
 
-    def spawn(sup: Any, slice_index: int, incarnation: int) -> Any:
+    def create(sup: Any, slice_index: int, incarnation: int) -> Any:
         agent = SliceAgent.options(namespace=namespace).remote(slice_index, incarnation, sup, INTERVAL_S, job)
         actors.append(agent)
+        return agent
+
+    def spawn(sup: Any, slice_index: int, incarnation: int) -> Any:
+        agent = create(sup, slice_index, incarnation)
         ray.get(agent.start.remote(), timeout=60)
         return agent
 
@@ -81,7 +85,8 @@ def supervised(ray_local):
             job, policy, TIMEOUT_S, INTERVAL_S / 2, run
         )
         supervisors.append(sup)
-        agents = [spawn(sup, s, 0) for s in range(4)]
+        agents = [create(sup, s, 0) for s in range(4)]  # their processes start side by side
+        ray.get([agent.start.remote() for agent in agents], timeout=60)
         view = ray.get(sup.start.remote(), timeout=30)
         assert view.active == ALL4 and view.epoch == 1, view
         return sup, agents, lambda s, incarnation: spawn(sup, s, incarnation)
