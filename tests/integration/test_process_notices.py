@@ -16,7 +16,7 @@ import ray
 
 from elastic import NoticeError
 from elastic.api.job import ElasticJob
-from elastic.config import NoticeSources, Processes
+from elastic.config import NoticeSources, Processes, Tiers
 from elastic.demos.demo import init_state, max_abs_diff
 from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
 
@@ -58,10 +58,14 @@ def _paced_until_grown(pace_s: float, degraded_s: float, slices: int):
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(ray_local) -> None:
+def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(ray_local, tmp_path: Path) -> None:
     spec = ProcessDemoSpec(steps=N, num_slices=3, kill_slice=1, snapshot_every=5, job_name="processes-sigterm")
     config = process_config(  # no standby group: a few more processes on 2 cores, and the leave does not need it
-        spec, notices=NoticeSources(signal="SIGTERM", signal_grace_s=GRACE_S), processes=Processes(standby=False)
+        spec,
+        notices=NoticeSources(signal="SIGTERM", signal_grace_s=GRACE_S),
+        processes=Processes(standby=False),
+        # an Orbax save every step: the group the slice leaves has one in flight, which must not hold the leave
+        tiers=Tiers(keeper_every=spec.keeper_every, persistent_dir=str(tmp_path / "orbax"), persistent_every=1),
     )
     seen: dict[str, object] = {}
 
