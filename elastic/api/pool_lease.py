@@ -125,7 +125,7 @@ class PoolLease:
     def reclaim(self, slices: frozenset[int], reason: str) -> None:
         with self._lock:
             self._pending |= slices
-            whole = self._pending >= self.member.slices
+            whole = bool(self._pending) and self._pending >= self.member.slices
         if whole and self._controller is not None:
             self._controller.request_suspend(f"pool {self._config.pool}: {reason}")
             return
