@@ -282,8 +282,9 @@ class Controller:
         self._log.warning("suspended", step=step, reason=reason)
         began = time.monotonic()
         lent = self.on_suspend(step, view)
-        resumed = self._watcher.wait_for(
-            lambda v: v.epoch > view.epoch and v.active == lent,
+        stale = view.active - lent  # slices it ran on, not lent back: left by notice
+        resumed = self._watcher.wait_for(  # more may be lent meanwhile: the job grows onto them later, or now
+            lambda v: v.epoch > view.epoch and lent <= v.active and not v.active & stale,
             self.config.startup_timeout_s + self.config.recovery_timeout_s,
             what=f"the view over slices {sorted(lent)} lent back",
         )
