@@ -143,6 +143,8 @@ class TierSet:
             return None
         if not self._keepers.push(self._snapshots.image()) or not self._keepers.wait(WAIT_S):
             return None
+        if not self._keepers.holds(step, WAIT_S):  # every keeper failed to take it: the job keeps its slices
+            return None
         self._memory_gone = True
         return step
 
