@@ -150,3 +150,13 @@ def test_a_multi_process_job_is_not_suspended(lease) -> None:
     job.reclaim(frozenset({0, 1}), "high needs it")
     assert controller.on_suspend is None and not controller.asked
     job.close()
+
+
+def test_a_resumed_job_restores_on_the_view_lent_back() -> None:
+    from elastic.control.transitions import Machine, Prepare, Resumed, State, transition
+
+    before, after = View(epoch=3, active=frozenset({0, 1, 2})), View(epoch=5, active=frozenset({0, 1}))
+    machine, action = transition(Machine(State.RUNNING, before), Resumed(after), 0)
+    assert machine == Machine(State.RESTORING, after) and action == Prepare(after, live=False)
+    with pytest.raises(ValueError, match="no transition from restoring on Resumed"):
+        transition(machine, Resumed(after), 0)
