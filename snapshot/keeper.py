@@ -202,6 +202,10 @@ class KeeperTier:
                 found.setdefault(step, name)
         return dict(sorted(found.items(), reverse=True))
 
+    def holds(self, step: int, timeout: float = 60.0) -> bool:
+        """Whether a live keeper holds the image of ``step`` (one sent by :meth:`push`)."""
+        return any(isinstance(s, list) and step in s for s in self._ask_all("steps", timeout).values())
+
     def region(self, name: str, step: int, leaf: int, index: Index, timeout: float = 60.0) -> np.ndarray | None:
         keeper = self._keepers.get(name)
         if keeper is None:

@@ -49,8 +49,6 @@ __all__ = ["ElasticJob", "FaultPlan", "JobResult", "RECORD_DIR_ENV"]
 RECORD_DIR_ENV = "ELASTIC_RECORD_DIR"  # where jobs write their run record when record_dir is not given
 
 InitFn = Callable[[jax.Array], Any]
-
-
 ShardingsFn = Callable[[Mesh], Any]
 
 
@@ -362,6 +360,8 @@ class ElasticJob:
             on_step=self._on_step,
             during_prepare=self.during_prepare,
         )
+        if self._pool is not None:  # a pool that takes every slice suspends the job (single-process mode)
+            self._pool.attach(controller)
         if self._stop_reason is not None:  # asked before the run began
             controller.request_stop(self._stop_reason)
         try:

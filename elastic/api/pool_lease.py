@@ -86,6 +86,8 @@ class PoolLease:
         self._failed: list[int] = []  # the job's slices it told the pool failed, in order
         self._extra = extra if extra is not None else {}
         self._lock = threading.Lock()
+        self._controller: Any = None  # the job's run, once it can suspend (``attach``)
+        self._lent = threading.Condition()  # notified once the slices lent have their agents
         # (what, slices) to tell the pool off the loop's thread: "left" (give back) or "failed"
         self._work: queue.SimpleQueue[tuple[str, frozenset[int]] | None] = queue.SimpleQueue()
         self._giver = threading.Thread(target=self._give_back, name=f"pool-give-back-{config.job_name}", daemon=True)
@@ -112,9 +114,21 @@ class PoolLease:
         self.member.watch()
 
     # -- LeaseHooks (the member's thread) --------------------------------------------------------
+    def attach(self, controller: Any) -> None:
+        """The job's run: single-process mode with keepers, a reclaim of every slice it holds (the pool suspends
+        it: its minimum is needed by a higher-priority job) suspends it (``Controller.request_suspend``); without
+        them, such a notice is kept while the slices last."""
+        if self._config.processes is None and self._config.tiers.keeper_every:
+            self._controller = controller
+            controller.on_suspend = self.suspended
+
     def reclaim(self, slices: frozenset[int], reason: str) -> None:
         with self._lock:
             self._pending |= slices
+            whole = bool(self._pending) and self._pending >= self.member.slices
+        if whole and self._controller is not None:
+            self._controller.request_suspend(f"pool {self._config.pool}: {reason}")
+            return
         try:
             self._notice(slices, self._config.recovery_timeout_s, f"pool {self._config.pool}: {reason}")
         except Exception as err:  # noqa: BLE001 - a notice refused (the slice failed meanwhile): the pool reclaims on
@@ -128,6 +142,8 @@ class PoolLease:
             t.start()
         for t in starts:
             t.join()
+        with self._lent:
+            self._lent.notify_all()
 
     def _start(self, index: int) -> None:
         try:
@@ -153,6 +169,26 @@ class PoolLease:
             self._work.put(("left", gone))  # a Ray call: not on the loop's thread
         if lost:
             self._work.put(("failed", lost))
+
+    def suspended(self, step: int, view: View) -> frozenset[int]:
+        """The job is suspended before ``step``, its state on its keepers (the loop's thread): every slice goes back
+        to the pool; once the pool lends the job its minimum again and their agents are started, the slices of
+        ``view`` not lent back are left by notice, and the job's numbers of those lent are returned."""
+        with self._lock:
+            self._pending.clear()
+            self._seen.clear()
+        try:
+            self.member.left(self.member.slices)
+        except ConfigError:  # a release in flight got there first: the rest
+            self.member.left(self.member.slices)
+        self._log.warning("pool_suspended", step=step, slices=sorted(self.member.slices))
+        with self._lent:
+            self._lent.wait_for(lambda: len(self.member.slices) >= self._config.pool_min_slices)
+            lent = self.member.slices
+        if stale := view.active - lent:
+            self._notice(frozenset(stale), self._config.recovery_timeout_s, "not lent back by the pool")
+        self._log.warning("pool_resumed", step=step, slices=sorted(lent))
+        return lent
 
     def _give_back(self) -> None:
         while (item := self._work.get()) is not None:

@@ -45,6 +45,7 @@ from elastic.control.transitions import (
     Probe,
     Probed,
     Ready,
+    Resumed,
     RunPass,
     Started,
     Stopped,
@@ -104,6 +105,10 @@ class Controller:
         self._leftovers: BaseException | None = None  # the last failure, until its frames are freed off this thread
         self._reports: list[tuple[frozenset[int], dict[int, int] | None, Any]] = []  # (slices, incarnations, reply)
         self._stopping: str | None = None  # why the job stops at the next step boundary (``request_stop``)
+        self._suspending: str | None = None  # why the job is suspended at the next step boundary
+        # Suspended (every slice released) before the step given: blocks until the job may resume, the slices it may
+        # resume on answered (set by a pool lease, single-process mode)
+        self.on_suspend: Callable[[int, View], frozenset[int]] | None = None
         self._stall = StallReporter(config.step_wait_s(first=True), log=self._log, timeline=accounting.timeline)
 
     # -- the driver ----------------------------------------------------------------------------
@@ -248,6 +253,8 @@ class Controller:
         if end.stopped_at is not None:
             self._acct.stopped(at_step=end.stopped_at, persisted=end.persisted, reason=self._stopping or "")
             return Stopped(end.stopped_at)
+        if end.suspended_at is not None:
+            return self._suspended(end.suspended_at, end.kept, view)
         if end.regroup is not None:
             self._acct.regrouped(view, end.regroup)
             late = past_deadline(end.regroup.notices, time.time())
@@ -262,6 +269,31 @@ class Controller:
             last_committed=steps[-1] if steps else None,
             last_step=self.num_steps - 1,
         )
+
+    def _suspended(self, step: int, kept: int | None, view: View) -> Event:
+        """The pass ended at the boundary before ``step`` to suspend the job: its state is on its keepers (``kept``);
+        wait until its slices come back (``on_suspend``), then resume from the keepers on the view over them."""
+        reason, self._suspending = self._suspending or "", None
+        if kept is None or self.on_suspend is None:  # nothing released: the state moves on from where it is
+            self._log.warning("suspend_not_saved", step=step, reason=reason)
+            self._acct.timeline.add("suspend_refused", step=step, reason=reason)
+            return Boundary(view)
+        self._acct.timeline.add("suspended", step=step, reason=reason)
+        self._log.warning("suspended", step=step, reason=reason)
+        began = time.monotonic()
+        lent = self.on_suspend(step, view)
+        stale = view.active - lent  # slices it ran on, not lent back: left by notice
+        resumed = self._watcher.wait_for(  # more may be lent meanwhile: the job grows onto them later, or now
+            lambda v: v.epoch > view.epoch and lent <= v.active and not v.active & stale,
+            self.config.startup_timeout_s + self.config.recovery_timeout_s,
+            what=f"the view over slices {sorted(lent)} lent back",
+        )
+        waited = round(time.monotonic() - began, 3)
+        self._acct.timeline.add("resumed", step=step, epoch=resumed.epoch, slices=len(resumed.active), waited_s=waited)
+        self._acct.report.extra.setdefault("suspensions", []).append(
+            {"step": step, "reason": reason, "seconds": waited, "slices": sorted(lent)}
+        )
+        return Resumed(resumed)
 
     def _probe(self, action: Probe) -> Event:
         """Which slices answer within ``step_timeout_s`` (one that does not is dead). Slices known dead before
@@ -314,6 +346,17 @@ class Controller:
         if self._stopping is None:
             self._stopping = reason or "stop requested"
             self._acct.timeline.add("stop_asked", reason=self._stopping)
+
+    def request_suspend(self, reason: str) -> None:
+        """Suspend at the next step boundary (its state to its keepers, every slice released) until ``on_suspend``
+        answers (from any thread; once at a time)."""
+        if self._suspending is None:
+            self._suspending = reason or "suspended"
+            self._acct.timeline.add("suspend_asked", reason=self._suspending)
+
+    @property
+    def suspending(self) -> str | None:
+        return self._suspending
 
     # -- what the placement calls (elastic.control.placement.PlacementHost) ----------------------
     @property

@@ -64,6 +64,8 @@ class PassEnd:
     value: Any = None  # what the loop returned
     stopped_at: int | None = None
     persisted: int | None = None
+    suspended_at: int | None = None  # the job is suspended (``kept``: the step its keepers hold, None: not saved)
+    kept: int | None = None
 
 
 class PlacementHost(Protocol):
@@ -81,6 +83,10 @@ class PlacementHost(Protocol):
     @property
     def stopping(self) -> str | None:
         """Why the job stops at the next step boundary it can reach (``ElasticJob.stop``); None while it runs on."""
+
+    @property
+    def suspending(self) -> str | None:
+        """Why the job is suspended at the next step boundary (its pool took every slice; single-process mode)."""
 
     @property
     def view(self) -> View:

@@ -62,6 +62,7 @@ class TierSet:
         self.last_wait_seconds = 0.0  # how long the last restore waited for a snapshot in flight
         self._log = get_logger("elastic.control.tiers", job=config.job_name)
         self.on_event: Any = None  # timeline.add, once the job has one: refusals become events of its stream
+        self._memory_gone = False  # the job released its slices (suspended): the next restore skips the memory tier
 
     def start(self, *, token: str | None = None, wait: bool = True) -> None:
         """Attach (or create) the keepers and the persistent tier; needs a Ray connection. ``token``: the job's
@@ -128,6 +129,25 @@ class TierSet:
         self._persistent.wait()
         return step
 
+    def suspend(self, step: int, state: Any, meta: dict[str, Any]) -> int | None:
+        """The job is suspended before ``step`` (it releases every slice): snapshot it there, push that to the keepers
+        whatever ``keeper_every`` says and wait until they hold it; the in-memory copies count as gone with the
+        slices, so the next restore reads the keepers. The step the keepers hold; None when they could not take it
+        (or the job has none)."""
+        if self._keepers is None:
+            return None
+        self._snapshots.save(step, state, meta)
+        self._wait()
+        info = self._snapshots.latest
+        if info is None or info.step != step or not self._keepers.wait(WAIT_S):
+            return None
+        if not self._keepers.push(self._snapshots.image()) or not self._keepers.wait(WAIT_S):
+            return None
+        if not self._keepers.holds(step, WAIT_S):  # every keeper failed to take it: the job keeps its slices
+            return None
+        self._memory_gone = True
+        return step
+
     def _completed(self, info: SnapshotInfo) -> None:
         """On the snapshot thread, after each complete generation: feed the keepers every R-th one.
 
@@ -175,9 +195,10 @@ class TierSet:
         memory tier may hand back its own bytes (``Restored.borrowed``; see ``Snapshotter.load``).
         """
         restored: Restored | None = None
+        gone, self._memory_gone = self._memory_gone, False
         try:
             # A snapshot still in flight is the newest: restored from its staged shards, or waited for.
-            restored = self._snapshots.load(shardings, available=set(devices), borrow=borrow)
+            restored = None if gone else self._snapshots.load(shardings, available=set(devices), borrow=borrow)
         except NoSnapshotError:
             pass
         except (SnapshotUnavailableError, SnapshotCorruptError) as err:

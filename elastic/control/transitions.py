@@ -6,6 +6,7 @@ as a sequence of states::
 
     STARTING --Started--> RESTORING --Ready--> RUNNING --LoopReturned--> FINISHED
     RUNNING --Stopped(the job was asked to stop: its state saved at a step boundary)--> FINISHED
+    RUNNING --Resumed(suspended at a step boundary, its state on its keepers; slices back)--> RESTORING
     RUNNING --Boundary(bigger view)--> GROWING --Ready--> RUNNING
     RUNNING --Boundary(smaller view)--> RESHARDING --Ready--> RUNNING
     RUNNING --Boundary(a view leaving slices on notice)--> LEAVING --Ready--> RUNNING
@@ -41,6 +42,7 @@ __all__ = [
     "Probe",
     "Probed",
     "Ready",
+    "Resumed",
     "RunPass",
     "Started",
     "State",
@@ -105,6 +107,14 @@ class Stopped:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """The job was suspended at a step boundary (its state on its keepers, its slices released) and resumes on
+    ``view``, over the slices lent back."""
+
+    view: View
+
+
+@dataclass(frozen=True)
 class Failed:
     cause: str  # a slice-loss error or a hung step, classified by runtime.classify_failure
 
@@ -127,7 +137,7 @@ class ViewSeen:
     view: View
 
 
-Event = Started | Ready | LoopReturned | Stopped | Boundary | Failed | Noted | Probed | ViewSeen
+Event = Started | Ready | LoopReturned | Stopped | Resumed | Boundary | Failed | Noted | Probed | ViewSeen
 
 
 # -- actions ------------------------------------------------------------------------------------
@@ -189,7 +199,7 @@ def _bad(machine: Machine, event: object) -> ValueError:
 def transition(machine: Machine, event: Event, max_transient_retries: int) -> tuple[Machine, Action]:
     """The next machine and the action that takes it there. ``ValueError`` for an impossible pair."""
     s = machine.state
-    if isinstance(event, (Started, Boundary, ViewSeen)) and event.view.gave_up is not None:
+    if isinstance(event, (Started, Boundary, ViewSeen, Resumed)) and event.view.gave_up is not None:
         if isinstance(event, Started) and s is not State.STARTING:
             raise _bad(machine, event)
         return replace(machine, state=State.GAVE_UP, view=event.view), GiveUp(event.view.gave_up, event.view.epoch)
@@ -216,6 +226,10 @@ def transition(machine: Machine, event: Event, max_transient_retries: int) -> tu
         if s is not State.RUNNING:
             raise _bad(machine, event)
         return replace(machine, state=State.FINISHED), Finish()
+    if isinstance(event, Resumed):
+        if s is not State.RUNNING:
+            raise _bad(machine, event)
+        return Machine(State.RESTORING, event.view), Prepare(event.view, live=False)
     if isinstance(event, Boundary):
         if s is not State.RUNNING:
             raise _bad(machine, event)

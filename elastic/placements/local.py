@@ -159,7 +159,7 @@ class LocalPlacement:
 
         def changed(next_step: int) -> View | None:
             now = host.view
-            if host.stopping is not None:  # the job stops at this boundary: the pass ends on the view it runs on
+            if host.stopping is not None or host.suspending is not None:  # the pass ends here, on its view
                 return view
             return None if now.epoch == epoch else now
 
@@ -185,6 +185,12 @@ class LocalPlacement:
                 return PassEnd(
                     stopped_at=live.next_step, persisted=self._tiers.persist(live.next_step, live.state, meta)
                 )
+            if host.suspending is not None and live is not None:  # the job's state to its keepers, then it waits
+                meta = host.snapshot_meta(copy.deepcopy(live.extras))
+                kept = self._tiers.suspend(live.next_step, live.state, meta)
+                if kept is not None:  # else the live state stays: the job goes on where it is
+                    self._live = None
+                return PassEnd(suspended_at=live.next_step, kept=kept)
             return PassEnd(regroup=regroup.view, live=regroup.live is not None)
         finally:
             self._state, self._newest = run.state, run.newest_state

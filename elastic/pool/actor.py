@@ -5,7 +5,7 @@ returns) is one event: :func:`~elastic.pool.policy.decide` answers the plan, the
 signed log (a ``decision`` record with the state after it) and only then takes it as its state, so a restarted
 actor (``max_restarts=-1``, on any node) replays the log (:func:`~elastic.pool.replay.replay`) and goes on where it
 was. Jobs learn of their grants and reclaim notices by reading their lease (``lease``, or ``wait_lease``, a long
-poll on the pool's version).
+poll on the pool's version). Its Ray metrics, per pool and per job, are :mod:`elastic.pool.metrics`.
 
 Every public method is gated (:func:`~elastic.pool.access.pool_guarded`, :func:`~elastic.snapshot.gated.gated_actor`):
 the operator may do anything; a user submits jobs as themself and reads, releases, resizes and leaves only their own
@@ -24,6 +24,7 @@ import ray
 from elastic.errors import AccessError, ConfigError
 from elastic.log import get_logger
 from elastic.pool.access import REFUSALS_WRITER, Caller, PoolGate, pool_guarded
+from elastic.pool.metrics import PoolMetrics
 from elastic.pool.model import (
     Arrive,
     Event,
@@ -94,6 +95,8 @@ class Pool:
         self._below_since: dict[str, float] = {
             n: now for n, e in self._state.jobs.items() if len(self._state.holding(n)) < e.asked
         }
+        self._metrics = PoolMetrics(name, lambda: (self._state, {n: self._lease(n) for n in self._state.jobs}))
+        self._metrics.start()
 
     # -- carrying out ---------------------------------------------------------------------------
     def _condition(self) -> asyncio.Condition:
@@ -129,6 +132,7 @@ class Pool:
         self._why = {s: r for s, r in self._why.items() if s in plan.state.reclaiming}
         self._why.update({s: r.reason for r in plan.reclaims for s in r.slices})
         self._account(time.monotonic())
+        self._metrics.decided(plan)
         self._log.info("pool_decision", version=self._version, reason=plan.reason)
         async with self._condition():
             self._condition().notify_all()

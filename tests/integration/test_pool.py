@@ -92,3 +92,47 @@ def _try(pool, method, *args):
         return pool.call(method, *args, timeout_s=5.0)
     except Exception:  # noqa: BLE001 - the restarting actor: asked again
         return None
+
+
+def test_metrics_per_pool_and_job(ray_local, pool) -> None:
+    """The pool's Ray metrics on Ray's Prometheus endpoint: a job taken below its minimum is suspended."""
+    name, token, op = pool
+    alice = find_pool(name, user_credential(token, "alice"), user="alice")
+    bob = find_pool(name, user_credential(token, "bob"), user="bob")
+    alice.call("submit", JobSpec(name="low", user="alice", min_slices=2, max_slices=5))
+    high = bob.call("submit", JobSpec(name="high", user="bob", priority=10, min_slices=4, max_slices=4))
+    low = alice.call("lease", "low")
+    assert low["state"] == "suspended" and low["leave"] == [0, 1, 2, 3, 4] and high["state"] == "waiting"
+    ports = [n["MetricsExportPort"] for n in ray_local.nodes() if n["Alive"]]  # the pool's node among them
+    want = {
+        ("ray_elastic_pool_job_state", (("job", "low"), ("state", "suspended"))): 1.0,
+        ("ray_elastic_pool_job_state", (("job", "low"), ("state", "running"))): 0.0,
+        ("ray_elastic_pool_job_state", (("job", "high"), ("state", "waiting"))): 1.0,
+        ("ray_elastic_pool_job_slices_lent", (("job", "low"),)): 5.0,
+        ("ray_elastic_pool_job_slices_asked", (("job", "high"),)): 4.0,
+        ("ray_elastic_pool_queue_length", ()): 2.0,
+        ("ray_elastic_pool_slices", (("kind", "reclaiming"),)): 5.0,
+        ("ray_elastic_pool_reclaims_total", (("job", "low"), ("kind", "suspend"))): 5.0,
+    }
+
+    def scraped():
+        got = {k: v for port in ports for k, v in _scrape(port, name).items()}
+        return got if all(got.get(k) == v for k, v in want.items()) else None
+
+    got = until(scraped, 40, "the pool's metrics on Ray's endpoint (reported every 10 s by default)", every_s=0.5)
+    assert got[("ray_elastic_pool_job_seconds_below_asked", (("job", "high"),))] >= 0
+
+
+def _scrape(port: int, pool: str) -> dict:
+    """Ray's endpoint's samples of ``pool`` as {(name, ((label, value), ...) but pool's): value}."""
+    import re
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for m in re.finditer(r"^(ray_elastic_pool_\w+)\{(.*)\} (\S+)$", body, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
+        if labels.get("pool") == pool:
+            mine = tuple(sorted((k, v) for k, v in labels.items() if k in ("job", "state", "kind")))
+            out[(m[1], mine)] = float(m[3])
+    return out

@@ -1,7 +1,7 @@
 """A single-process job leasing its slices from a pool (ElasticConfig(pool=...)) on a real Ray: another job's lease
 takes two of its slices by notice (left at a step boundary, nothing recomputed, the pool killed mid-reclaim and
 replayed), gives them back, and the job grows onto them again; a job that starts with fewer slices than it has runs
-on the lent ones only."""
+on the lent ones only; a job at its minimum is suspended to its keepers and resumes from them."""
 
 from __future__ import annotations
 
@@ -107,3 +107,34 @@ def test_a_pool_that_is_not_there_is_one_line(ray_local, monkeypatch) -> None:
     job, _ = ledger_job("nopool", num_steps=N, pool="nosuchpool")
     with pytest.raises(ConfigError, match="pool 'nosuchpool' is not running"):
         job.start()
+
+
+def test_suspended_to_its_keepers_and_resumed(pool) -> None:
+    """A higher-priority job needs the minimum of a job at its minimum: the pool suspends it; it saves its state to
+    its keepers at a step boundary, releases every slice, waits, and resumes from the keepers when they come back."""
+    name, token, op = pool
+    high = _other(name, token, name="high", priority=9, min_slices=3, max_slices=3)
+    seen: dict = {}
+
+    def other() -> None:  # the other job's client: it runs while the job is suspended, then ends
+        high.join(60)
+        seen["lease"] = op.call("lease", "low")
+        high.close()
+
+    def on_step(step, metrics, run):
+        if step == 6:
+            threading.Thread(target=other, daemon=True).start()
+
+    job, loop = ledger_job("low", on_step=on_step, num_steps=16, pool=name, min_slices=2, max_slices=2)
+    with job:
+        result = job.run(loop)
+    np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(16, np.int32))
+    np.testing.assert_array_equal(np.asarray(result.state["batch_of"]), np.arange(16))
+    r = result.report
+    assert (r.recoveries, r.steps_recomputed, r.duplicate_steps, r.skipped_steps) == (0, 0, 0, 0), r
+    assert seen["lease"]["state"] == "suspended" and seen["lease"]["slices"] == [], seen
+    assert [x["tier"] for x in r.restores] == ["keeper"], r.restores
+    (suspension,) = r.extra["suspensions"]
+    assert "high (priority 9) needs it" in suspension["reason"], suspension
+    kinds = [e["event"] for e in job.timeline.events]
+    assert kinds.index("suspended") < kinds.index("resumed"), kinds

@@ -1,6 +1,7 @@
 """A job's lease as its commits see it (``PoolLease.committed``), against a fake pool: a reclaimed slice goes back once
 a step commits without it; a slice lost without a reclaim is reported failed, once; a slice lent but not yet joined
-is neither; the report gets the pool's figures at the end."""
+is neither; the report gets the pool's figures at the end; a reclaim of every slice suspends a single-process job,
+which releases them all and resumes once its minimum is lent again."""
 
 from __future__ import annotations
 
@@ -102,3 +103,60 @@ def test_single_process_slices_never_lent_are_not_reported(lease) -> None:
     job.committed(2, View(epoch=2, active=frozenset({0, 1})))  # 2 lent again, not joined yet
     job.close()
     assert not _told(fake, "slice_failed") and extra["pool"]["slices_failed"] == []
+
+
+class FakeController:
+    def __init__(self) -> None:
+        self.on_suspend: Any = None
+        self.asked: list[str] = []
+
+    def request_suspend(self, reason: str) -> None:
+        self.asked.append(reason)
+
+
+def test_a_reclaim_of_every_slice_suspends_a_single_process_job(lease) -> None:
+    import threading
+
+    notices, spawned = [], []
+    job, fake, _ = lease([0, 1, 2], processes=False)
+    job._notice, job._spawn = (lambda *a: notices.append(a[0])), spawned.append
+    controller = FakeController()
+    job.attach(controller)
+    assert controller.on_suspend == job.suspended
+    job.reclaim(frozenset({2}), "high needs it")
+    assert notices == [{2}] and not controller.asked, "a partial reclaim is a notice"
+    job.reclaim(frozenset({0, 1}), "high needs it")
+    assert notices == [{2}] and controller.asked == ["pool p: high needs it"], "every slice: the job is suspended"
+
+    out: dict[str, Any] = {}
+    waiter = threading.Thread(
+        target=lambda: out.update(lent=job.suspended(7, View(epoch=3, active=frozenset({0, 1, 2}))))
+    )
+    waiter.start()
+    until(lambda: fake.held == [], 10, "every slice released")
+    assert waiter.is_alive(), "the job waits for its minimum"
+    fake.held = [0, 3]  # its minimum lent again: agents started for them, then it resumes
+    job.member._take({**fake._lease(), "version": 9})
+    waiter.join(10)
+    assert out["lent"] == {0, 1} and sorted(spawned) == [0, 1], "the job's own numbers for the slices lent"
+    assert notices == [{2}, {2}], "a slice it ran on that was not lent back is left by notice"
+    job.close()
+
+
+def test_a_multi_process_job_is_not_suspended(lease) -> None:
+    job, fake, _ = lease([0, 1])
+    controller = FakeController()
+    job.attach(controller)
+    job.reclaim(frozenset({0, 1}), "high needs it")
+    assert controller.on_suspend is None and not controller.asked
+    job.close()
+
+
+def test_a_resumed_job_restores_on_the_view_lent_back() -> None:
+    from elastic.control.transitions import Machine, Prepare, Resumed, State, transition
+
+    before, after = View(epoch=3, active=frozenset({0, 1, 2})), View(epoch=5, active=frozenset({0, 1}))
+    machine, action = transition(Machine(State.RUNNING, before), Resumed(after), 0)
+    assert machine == Machine(State.RESTORING, after) and action == Prepare(after, live=False)
+    with pytest.raises(ValueError, match="no transition from restoring on Resumed"):
+        transition(machine, Resumed(after), 0)
