@@ -87,7 +87,12 @@ class PoolMember:
             self._thread.start()
 
     def _follow(self) -> None:
+        import ray
+
         while not self._stop.is_set():
+            if not ray.is_initialized():  # this process left Ray: a call now would start a local Ray of its own
+                self._log.info("pool_lease_ended", reason="this process is no longer connected to Ray")
+                return
             try:
                 lease = self._pool.call("wait_lease", self.spec.name, self.version, POLL_S, timeout_s=POLL_S + 30)
             except (ConfigError, AccessError) as err:  # the job is out of the pool (it left, or was removed)

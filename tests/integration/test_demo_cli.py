@@ -169,6 +169,8 @@ def test_a_sigkilled_multi_process_driver_is_resumed_from_the_keepers(ray_local)
     out = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
     assert out["scenario"] == "multi-process-driver-crash" and out["first_client_exit"] == -9
     assert out["mode"] == "multi-process" and out["resumed_from_tier"] == "keeper"
-    assert out["restores"][0]["tier"] == "keeper" and 0 < out["restores"][0]["step"] <= 12
+    # the workers die with the driver once Ray sees it gone: on a loaded machine they may take and push a few steps
+    # past 12 first (restored exactly: no step duplicated or skipped, the parameters checked below)
+    assert out["restores"][0]["tier"] == "keeper" and 0 < out["restores"][0]["step"] < 20
     assert out["steps_committed"] == 20 and out["duplicate_steps"] == 0 and out["skipped_steps"] == 0
     assert out["max_abs_param_diff_vs_reference"] <= 1e-4

@@ -92,7 +92,8 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
     assert status["state"] == "running" and 2 not in status["slices"] and status["slices"], status
     assert status["epoch"] == 2 + second, status
     assert status["step"] is not None and 5 <= status["step"] <= 20, status  # progress: at most 5 s old
-    assert status["recoveries"] == 1 + second and status["failures"] >= 1
+    # a neighbour lost while the survivors re-form is part of that recovery: one recovery or two
+    assert 1 <= status["recoveries"] <= 1 + second and status["failures"] >= 1, status
     decisions = [r["decision"] for r in records if r["kind"] == "view"]
     assert decisions == ["Grow", "Shrink"] + ["Shrink"] * second, decisions
     lost = [r for r in records if r["kind"] == "health" and not r["healthy"]]

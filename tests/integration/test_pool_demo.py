@@ -31,7 +31,9 @@ def test_the_pool_demo_shows_its_sequence(ray_local) -> None:
     assert [d["slices"] for d in low["notice_details"]] == [[2, 3, 4], [1]], low["notice_details"]
     assert (high["slices_initial"], high["min_slices_seen"], high["slices_final"]) == (3, 2, 3), high
     assert high["recoveries"] == 1 and high["pool"]["slices_failed"] == [spec.kill_slice], high
-    assert high["seconds_below_asked"] <= spec.pace_s + 5.0, high["seconds_below_asked"]
+    # at most a step plus 5 s when the demo runs alone (2.5-3.3 s measured); beside another test file's processes on
+    # CI's 2 cores the swapped-in slice's new worker takes longer to start (6.6 s seen), hence 10 s here
+    assert high["seconds_below_asked"] <= spec.pace_s + 10.0, high["seconds_below_asked"]
     reasons = [e["reason"] for e in out["timeline"] if e["event"] == "pool"]
     killed = out["pool"]["killed_slice"]
     expected = [

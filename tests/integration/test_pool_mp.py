@@ -79,7 +79,7 @@ def test_a_process_job_leaves_a_reclaimed_slice_and_grows_back(pool) -> None:
     job = ElasticJob(config, init_fn=init_state, on_step=lambda step, metrics, run: steps.append(step))
     driver.start()
     with job:
-        result = job.run(paced_loop(0.25))
+        result = job.run(paced_loop(0.25, 1.5, SLICES))  # 1.5 s a step below SLICES: time for a new worker
     driver.join(timeout=30)
     assert "error" not in seen, seen.get("error")
     assert seen["low_then"] == [0] and int(seen["lent_at"]) < N - 10, seen  # type: ignore[call-overload]
@@ -154,7 +154,7 @@ def test_a_killed_worker_is_reported_failed_and_a_spare_swapped_in(pool) -> None
     job = ElasticJob(config, init_fn=init_state, on_step=lambda step, metrics, run: steps.append(step))
     driver.start()
     with job:
-        result = job.run(paced_loop(0.25))
+        result = job.run(paced_loop(0.25, 1.5, SLICES))  # 1.5 s a step below SLICES: time for a new worker
     driver.join(timeout=30)
     low.close()
     assert "error" not in seen, seen.get("error")
