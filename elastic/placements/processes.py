@@ -189,6 +189,8 @@ class ProcessPlacement:
             self._depart(leavers)  # after the survivors re-formed (they may have read from it), before its group ends
         except runtime.SliceLostError:
             died = workers.died & set(previous)  # a survivor of the last group died as this one formed
+            for s in sorted(died - workers.gone):  # in the timeline as any lost worker is
+                self._acct.timeline.add("worker_lost", slice=s, epoch=view.epoch)
             workers.gone |= workers.died
             self._passes.figures["survivors_lost"] += len(workers.collateral(died - self._targeted(died)))
             for s in leavers:

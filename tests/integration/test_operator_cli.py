@@ -100,5 +100,5 @@ def test_status_events_and_report_of_a_running_multi_process_job(ray_local, monk
     # the worker was its agent: Ray's death notice of it, or the client's loss report when that arrives first
     assert lost and lost[0]["slice"] == 2, lost
     assert "agent died" in lost[0]["cause"] or "client report" in lost[0]["cause"], lost
-    assert report["recoveries"] == 1 + second
+    assert 1 <= report["recoveries"] <= 1 + second, report  # as the status's
     assert box["result"].report.steps_committed == 30

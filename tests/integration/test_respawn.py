@@ -170,9 +170,6 @@ def test_respawns_are_rate_bounded_when_the_replacement_keeps_dying(launched):
     assert all(g >= EVERY_S - 0.25 for g in gaps), gaps  # at most once per respawn_every_s (poll slack)
     assert [s for s, _ in group.respawns] == [1] * len(group.respawns)
     assert len(group.respawns) <= len(seen) + 1
-    view = view_of(group)
-    # no killed replacement brought the slice back; only one made after the window's last kill may have already
-    assert view.active == ALL4 - {1} or registered(group, 1, next_incarnation), (view, next_incarnation)
     view_becomes(group, ALL4, 15)  # left alone, the next replacement brings the slice back
 
 
