@@ -70,7 +70,9 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
         snapshot_every=5,
         job_name="processes-below-min",
     )
-    config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=0.5), processes=Processes(standby=False))
+    # 2 s: shorter than a worker process's start (5-10 s here), longer than the respawner's round (1 s), which starts
+    # the replacement of a neighbour gloo took with the killed one (with 0.5 s that case gave up once on CI)
+    config = process_config(spec, policy=Policy(min_slices=3, repair_timeout_s=2.0), processes=Processes(standby=False))
     report = run_process_demo(spec, verify=True, config=config, faults=Faults().kill_slice(1, at_step=5))
     _assert_exact(report, spec)
     assert report["min_slices_seen"] == 3 and report["slices_final"] == 3, report
