@@ -34,11 +34,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from elastic.api.job import ElasticJob, JobResult
 from elastic.config import ElasticConfig, Policy, Processes, Tiers
 from elastic.demos.demo import batch, init_state, max_abs_diff, train_step
+from elastic.demos.pacing import Pace, paced_loop
 from elastic.errors import ConfigError, ElasticError
 from elastic.log import get_logger
 from elastic.ops.pool import end_own_pool, own_pool
 
-__all__ = ["BATCH", "PoolDemoSpec", "run_pool_demo", "scaled_loop", "summary"]
+__all__ = ["BATCH", "PoolDemoSpec", "run_pool_demo", "scaled", "summary"]
 
 BATCH = 60  # splits over 1, 2, 3, 4 and 5 devices
 BOUND_S = 180.0  # the longest the demo waits for any one thing
@@ -72,20 +73,9 @@ class PoolDemoSpec:
             )
 
 
-def scaled_loop(pace_s: float, full: int) -> Callable[[Any], Any]:
-    """The demo's loop (it runs in every worker), a step taking at least ``pace_s * full / slices``."""
-
-    def loop(run: Any) -> Any:
-        state = run.state
-        step_fn = run.jit(train_step, donate_argnums=0)
-        for step in run.steps:
-            started = time.monotonic()
-            state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
-            run.commit(state, loss=loss)
-            time.sleep(max(0.0, pace_s * full / max(1, len(run.slices)) - (time.monotonic() - started)))
-        return state
-
-    return loop
+def scaled(pace_s: float, full: int) -> Pace:
+    """A step takes at least ``pace_s * full / slices``: the same global batch over fewer devices takes longer."""
+    return lambda run: pace_s * full / max(1, len(run.slices))
 
 
 def _config(spec: PoolDemoSpec, pool: str, name: str) -> ElasticConfig:
@@ -145,7 +135,7 @@ class _Job:
         self.job = ElasticJob(self.config, init_fn=init_state, on_step=self._on_step)
         self.result: JobResult | None = None
         self.error: BaseException | None = None
-        self._loop = scaled_loop(spec.pace_s, self.config.num_slices)
+        self._loop = paced_loop(scaled(spec.pace_s, self.config.num_slices), BATCH)
         self.thread = threading.Thread(target=self._run, name=f"pool-demo-{name}", daemon=True)
 
     def _on_step(self, step: int, metrics: Any, run: Any) -> None:

@@ -21,8 +21,8 @@ import ray
 from elastic.api.job import ElasticJob
 from elastic.demos.demo import init_state, max_abs_diff
 from elastic.demos.drain import BOUND_S, notice_then, notice_times
+from elastic.demos.pacing import paced_loop
 from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
-from elastic.demos.slurm import paced_loop
 
 __all__ = ["run_process_drain_demo"]
 

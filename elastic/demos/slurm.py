@@ -22,30 +22,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "paced_loop"]
-
-
-def paced_loop(pace_s: float, degraded_s: float = 0.0, slices: int = 0) -> Callable[[Any], Any]:
-    """The demo's loop, each step taking at least ``pace_s`` seconds, or ``degraded_s`` while the job runs on
-    fewer than ``slices`` slices."""
-    from elastic.demos.demo import batch, train_step
-    from elastic.demos.processes import BATCH
-
-    def loop(run: Any) -> Any:
-        state = run.state
-        step_fn = run.jit(train_step, donate_argnums=0)
-        for step in run.steps:
-            started = time.monotonic()
-            state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
-            run.commit(state, loss=loss)
-            least = degraded_s if len(run.slices) < slices else pace_s
-            time.sleep(max(0.0, least - (time.monotonic() - started)))
-        return state
-
-    return loop
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from elastic.api.job import ElasticJob
     from elastic.config import Policy, Processes, Tiers
     from elastic.demos.demo import init_state, max_abs_diff
+    from elastic.demos.pacing import degraded, paced_loop
     from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
 
     name = os.environ.get("ELASTIC_JOB_NAME") or os.environ.get("SLURM_JOB_NAME") or "slurm-demo"
@@ -105,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     with ElasticJob(config, init_fn=init_state, on_step=on_step, stop_signal="SIGTERM") as job:
-        result = job.run(paced_loop(args.pace, args.pace_degraded, args.slices))
+        result = job.run(paced_loop(degraded(args.pace, args.pace_degraded, args.slices)))
     report = result.report.to_dict()
     report["job_seconds"] = round(time.monotonic() - started, 2)
     report["slurm_job_id"] = os.environ.get("SLURM_JOB_ID")

@@ -22,13 +22,19 @@ def test_the_pool_demo_shows_its_sequence(ray_local) -> None:
     spec = PoolDemoSpec(high_at=4, kill_at=5, pace_s=0.3)  # slower steps: time for each new worker to start and join
     out = json.loads(json.dumps(run_pool_demo(spec, verify=True)))  # what --json prints
     low, high = out["jobs"]["low"], out["jobs"]["high"]
-    for r in (low, high):
-        assert (r["duplicate_steps"], r["skipped_steps"]) == (0, 0), r
+    for r, steps in ((low, spec.steps), (high, spec.high_steps)):
+        assert (r["duplicate_steps"], r["skipped_steps"], r["steps_committed"]) == (0, 0, steps), r
         assert r["max_abs_param_diff_vs_reference"] <= 1e-4, r
+        assert r["mode"] == "multi-process" and r["grows"] >= 1, r
     assert (low["slices_initial"], low["min_slices_seen"], low["slices_final"]) == (5, 1, 5), low
     assert (low["notices"], low["recoveries"], low["steps_recomputed"]) == (2, 0, 0), low
     assert [d["steps_recomputed"] for d in low["notice_details"]] == [0, 0], low["notice_details"]
     assert [d["slices"] for d in low["notice_details"]] == [[2, 3, 4], [1]], low["notice_details"]
+    assert {d["source"] for d in low["notice_details"]} == {"pool"}, low["notice_details"]
+    # every worker that left a reclaimed slice did so at a step boundary and exited 0
+    assert sorted(low["leaving_exit_codes"]) == ["1", "2", "3", "4"], low["leaving_exit_codes"]
+    assert set(low["leaving_exit_codes"].values()) == {0}, low["leaving_exit_codes"]
+    assert low["pool"]["slices_failed"] == [], low["pool"]
     assert (high["slices_initial"], high["min_slices_seen"], high["slices_final"]) == (3, 2, 3), high
     assert high["recoveries"] == 1 and high["pool"]["slices_failed"] == [spec.kill_slice], high
     # at most a step plus 5 s when the demo runs alone (2.5-3.3 s measured); beside another test file's processes on

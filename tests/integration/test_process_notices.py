@@ -18,6 +18,7 @@ from elastic import NoticeError
 from elastic.api.job import ElasticJob
 from elastic.config import NoticeSources, Processes, Tiers
 from elastic.demos.demo import init_state, max_abs_diff
+from elastic.demos.pacing import paced_loop
 from elastic.demos.processes import ProcessDemoSpec, process_config, reference_params
 
 pytestmark = pytest.mark.integration
@@ -36,25 +37,10 @@ def _gone(pid: int) -> bool:
 
 
 def _paced_until_grown(pace_s: float, degraded_s: float, slices: int):
-    """The demo's loop, each step taking at least ``pace_s`` seconds (time for a signal to become a notice),
-    ``degraded_s`` while the job runs on fewer than ``slices`` slices (time for the new worker to start), and no
-    pace once it is whole again after a leave and a grow (epoch 3 or later: nothing left to wait for)."""
-    from elastic.demos.demo import batch, train_step
-    from elastic.demos.processes import BATCH
-
-    def loop(run):
-        state = run.state
-        step_fn = run.jit(train_step, donate_argnums=0)
-        for step in run.steps:
-            started = time.monotonic()
-            state, loss = step_fn(state, run.shard_batch(batch(step, BATCH)))
-            run.commit(state, loss=loss)
-            whole = len(run.slices) >= slices
-            least = degraded_s if not whole else 0.0 if run.epoch >= 3 else pace_s
-            time.sleep(max(0.0, least - (time.monotonic() - started)))
-        return state
-
-    return loop
+    """Each step at least ``pace_s`` seconds (time for a signal to become a notice), ``degraded_s`` while the job
+    runs on fewer than ``slices`` slices (time for the new worker to start), and no pace once it is whole again
+    after a leave and a grow (epoch 3 or later: nothing left to wait for)."""
+    return lambda run: degraded_s if len(run.slices) < slices else 0.0 if run.epoch >= 3 else pace_s
 
 
 @pytest.mark.timeout(240)
@@ -84,7 +70,7 @@ def test_sigterm_to_a_worker_leaves_its_slice_at_a_step_boundary_and_it_exits_0(
 
     job = ElasticJob(config, init_fn=init_state, on_step=on_step)
     with job:
-        result = job.run(_paced_until_grown(0.2, 1.0, 3))  # 1 s a step on 2 slices: the new worker starts
+        result = job.run(paced_loop(_paced_until_grown(0.2, 1.0, 3)))  # 1 s a step on 2 slices: the new worker starts
         events = job.group.events()
     r = result.report
     extra = r.to_dict()

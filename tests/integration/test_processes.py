@@ -215,11 +215,16 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
     assert report["worker_processes_restarted"] == 0
     assert report["reform_seconds"] and report["reform_seconds"][0] < 5.0
     assert report["snapshot_copies"] == 2 and report["snapshot_held_bytes"] > 0
-    # each new process joined: one grow each, or one for both when they register before the same boundary
-    assert 1 <= report["grows"] <= len(lost) and report["slices_final"] == 3, events
-    grow = next(e for e in events if e["event"] == "grow")
-    moved = next(e for e in events if e["event"] == "resharded")
-    assert moved["step"] <= spec.revive_at + 8 and moved["epoch"] == grow["epoch"]  # a new process starts in seconds
+    # each new process joined: one grow each, or one for both when they register before the same boundary; or,
+    # where a survivor lost while the group re-formed held the restore up (seen on a loaded machine), the new
+    # processes were up in time to form the group with the survivors: a restore onto 3 slices, no grow
+    assert report["grows"] <= len(lost) and report["slices_final"] == 3, events
+    if report["grows"] == 0:
+        assert len(lost) == 2 and any(e["event"] == "restored" and e["slices"] == 3 for e in events), events
+    else:
+        grow = next(e for e in events if e["event"] == "grow")
+        moved = next(e for e in events if e["event"] == "resharded")
+        assert moved["step"] <= spec.revive_at + 8 and moved["epoch"] == grow["epoch"]  # a new process: seconds
 
 
 @pytest.mark.integration
