@@ -21,7 +21,7 @@ def config(job_name: str, **overrides) -> ElasticConfig:
         devices_per_slice=2,
         num_steps=40,
         snapshot_every=5,
-        heartbeat_interval_s=0.1,
+        heartbeat_interval_s=0.3,
         heartbeat_timeout_s=1.5,
         policy=Policy(min_slices=2, repair_timeout_s=30.0),
     )

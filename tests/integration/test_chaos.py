@@ -189,15 +189,21 @@ def test_faults_inside_a_move_and_on_the_supervisor(elastic_chaos, ray_local):
 
 
 def quiet_process_target() -> dict:
-    """The demo's multi-process target without the standby group (helper processes compiling for the group one slice
-    smaller): recovery then compiles on the move, which changes no promise, and each run starts fewer processes."""
+    """The demo's multi-process target on 3 slices (down to 1: a kill while the group re-forms takes two) and without
+    the standby group (helper processes compiling for the group one slice smaller): recovery then compiles on the
+    move, which changes no promise, and each run starts fewer processes."""
     from dataclasses import replace
 
     from elastic.demos.chaos import process_target
 
     target = process_target()
     config = target["config"]
-    target["config"] = replace(config, processes=replace(config.processes, standby=False))
+    target["config"] = replace(
+        config,
+        num_slices=3,
+        policy=replace(config.policy, min_slices=1),
+        processes=replace(config.processes, standby=False),
+    )
     return target
 
 

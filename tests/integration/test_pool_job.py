@@ -124,6 +124,8 @@ def test_suspended_to_its_keepers_and_resumed(pool) -> None:
     def on_step(step, metrics, run):
         if step == 6:
             threading.Thread(target=other, daemon=True).start()
+        elif step == 7:  # the pool's reclaim of every slice is pending before the job's last steps run (unpaced)
+            until(lambda: op.call("lease", "low")["leave"], 60, "the pool to reclaim low's slices")
 
     job, loop = ledger_job("low", on_step=on_step, num_steps=16, pool=name, min_slices=2, max_slices=2)
     with job:
