@@ -138,7 +138,7 @@ def run_example(*, steps: int = 40, kill_at: int = 13, revive_at: int = 27, veri
         num_steps=steps,
         snapshot_every=5,
         global_batch_size=BATCH,
-        heartbeat_interval_s=0.1,
+        heartbeat_interval_s=0.3,
         heartbeat_timeout_s=1.5,
         policy=elastic.Policy(min_slices=2, repair_timeout_s=30.0),
     )
