@@ -17,7 +17,9 @@ demo: $(STAMP)
 
 test: lint docs
 	$(BIN)/python ../shared/tools/check_layers.py . || test ! -f ../shared/tools/check_layers.py
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # two workers, whole files each, longest first (tests/conftest.py); three saturate 2 cores and run slower
+	# two workers, whole files each, longest first (tests/conftest.py); three saturate 2 cores and run slower. A worker
+	# process that dies ends the run at once: pytest-xdist 3.8 requeues the dead worker's file and then waited forever.
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 --durations=15
 
 lint: $(STAMP)  # ruff's lint rules and mypy, as configured in pyproject.toml
 	$(BIN)/ruff check .

@@ -1,26 +1,36 @@
-"""``elastic demo --scenario pool --json --verify``, in a shorter run of the same sequence: two multi-process jobs on
-a pool of 5 slices; ``low`` shrinks in place for ``high`` (nothing recomputed), a worker of ``high`` is SIGKILLed and
-one of ``low``'s slices swapped in, the killed slice returns to ``low``, ``high`` ends and ``low`` grows back to 5;
-each job's parameters match a plain run's."""
+"""``elastic demo --scenario pool --json --verify``, run as the command (its own process, joined to this session's
+Ray), with slower steps: two multi-process jobs on a pool of 5 slices; ``low`` shrinks in place for ``high``
+(nothing recomputed), a worker of ``high`` is SIGKILLed and one of ``low``'s slices swapped in, the killed slice
+returns to ``low``, ``high`` ends and ``low`` grows back to 5; each job's parameters match a plain run's."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from elastic.cli import build_parser
-from elastic.demos.pool import PoolDemoSpec, run_pool_demo
+from elastic.demos.pool import PoolDemoSpec
 
 pytestmark = pytest.mark.integration
+
+ELASTIC = Path(sys.executable).parent / "elastic"
+PACE_S = 0.3  # slower steps than the demo's 0.2 s: time for each new worker to start and join on a busy machine
 
 
 @pytest.mark.timeout(600)
 def test_the_pool_demo_shows_its_sequence(ray_local) -> None:
-    args = build_parser().parse_args(["demo", "--scenario", "pool", "--json", "--verify"])
-    assert args.scenario == "pool" and args.slices is None  # filled in by the scenario's defaults: 5 slices of 1
-    spec = PoolDemoSpec(high_at=4, kill_at=5, pace_s=0.3)  # slower steps: time for each new worker to start and join
-    out = json.loads(json.dumps(run_pool_demo(spec, verify=True)))  # what --json prints
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    cmd = [str(ELASTIC), "demo", "--scenario", "pool", "--json", "--verify", "--pace", str(PACE_S)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, stdin=subprocess.DEVNULL, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
+    out = json.loads(lines[0])
+    spec = PoolDemoSpec(pace_s=PACE_S)  # the command's defaults (5 slices of 1, low 150 steps, high 60)
     low, high = out["jobs"]["low"], out["jobs"]["high"]
     for r, steps in ((low, spec.steps), (high, spec.high_steps)):
         assert (r["duplicate_steps"], r["skipped_steps"], r["steps_committed"]) == (0, 0, steps), r
