@@ -1,7 +1,8 @@
 """The job's Ray metrics, read from Ray's Prometheus endpoint as an operator's scraper would.
 
-A driver process starts its own Ray with a known metrics export port (and a 1 s report interval instead
-of Ray's 10 s), runs a short job that loses slice 1, then holds Ray up until the test has scraped it.
+A driver process starts its own Ray (with a 1 s report interval instead of Ray's 10 s; Ray picks the metrics
+export port and the driver reports it), runs a short job that loses slice 1, then holds Ray up until the test
+has scraped it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,14 +28,22 @@ STEPS = 30
 DRIVER = """
 import json, os, sys
 import ray
-ray.init(address="local", include_dashboard=False, _metrics_export_port={port}, log_to_driver=False,
-         configure_logging=False)
+for attempt in range(3):  # on a loaded machine Ray's own start can miss its fixed 30 s wait for the raylet
+    try:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+        break
+    except Exception as e:
+        if "timed out during startup" not in str(e) or attempt == 2:
+            raise
+        print(f"ray.init attempt {{attempt + 1}} failed: {{e}}", file=sys.stderr, flush=True)
+        ray.shutdown()
+port = ray.nodes()[0]["MetricsExportPort"]
 from elastic import Faults
 from tests.integration.helpers import trainer
 result = trainer({job!r}, Faults().kill_slice(1, at_step=12), num_steps={steps}).fit()
 r = result.report
 with open({report!r} + ".tmp", "w") as out:  # a file: Ray's own warnings may land on stdout mid-line
-    json.dump({{"steps_committed": r.steps_committed, "recoveries": r.recoveries, "slices_final": r.slices_final,
+    json.dump({{"port": port, "steps_committed": r.steps_committed, "recoveries": r.recoveries, "slices_final": r.slices_final,
                "snapshot_held_bytes": r.snapshot_held_bytes}}, out)
 os.replace({report!r} + ".tmp", {report!r})
 sys.stdin.read()  # keep Ray (and the driver's metrics) up until the test has read them
@@ -43,12 +51,6 @@ ray.shutdown()
 """
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
@@ -79,7 +81,6 @@ def read_report(proc: subprocess.Popen, path: Path, timeout: float) -> dict | No
 
 
 def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
-    port = free_port()
     env = {
         **os.environ,
         "RAY_metrics_report_interval_ms": "1000",
@@ -88,7 +89,7 @@ def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
         "RAY_DISABLE_USAGE_STATS": "1",
     }
     env.pop("RAY_ADDRESS", None)
-    code = textwrap.dedent(DRIVER.format(port=port, job=JOB, steps=STEPS, report=str(tmp_path / "report.json")))
+    code = textwrap.dedent(DRIVER.format(job=JOB, steps=STEPS, report=str(tmp_path / "report.json")))
     with open(tmp_path / "driver.err", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
@@ -100,9 +101,10 @@ def test_job_metrics_reach_rays_prometheus_endpoint(tmp_path):
             text=True,
         )
     try:
-        report = read_report(proc, tmp_path / "report.json", 75)
+        report = read_report(proc, tmp_path / "report.json", 150)
         assert report, f"the driver exited ({proc.poll()}): {(tmp_path / 'driver.err').read_text()[-3000:]}"
         assert report["steps_committed"] == STEPS and report["recoveries"] == 1
+        port = report["port"]
 
         t0, deadline, samples = time.monotonic(), time.monotonic() + 20, {}
         while time.monotonic() < deadline:  # the last commits reach the endpoint within a report interval
