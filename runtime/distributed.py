@@ -31,6 +31,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -226,10 +227,22 @@ def leave() -> float:
 
 
 def reform(
-    address: str, num_processes: int, process_id: int, *, timeout_s: int = 60, phases: dict[str, float] | None = None
+    address: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    timeout_s: int = 60,
+    phases: dict[str, float] | None = None,
+    on_joined: Callable[[], None] | None = None,
 ) -> float:
     """Leave the current group (if any) and join a new one, in this process; seconds it took (until the new
-    group's devices are visible). ``phases`` (if given) receives ``leave``, ``join`` and ``backend`` seconds."""
+    group's devices are visible). ``phases`` (if given) receives ``leave``, ``join`` and ``backend`` seconds;
+    ``on_joined`` is called between the rendezvous and the backend's start.
+
+    The backend's start exchanges the members' topologies through the service and waits for every member's
+    (jax's own bound: minutes). A member that died after the rendezvous leaves the others waiting there until
+    :func:`disconnect` is called from another thread: then this raises, and so does any failure of the start,
+    with this process left as after :func:`leave` (no client, no backend), ready for the next group."""
     start = time.monotonic()
     times = phases if phases is not None else {}
     if joined():
@@ -237,7 +250,13 @@ def reform(
     times["leave"] = time.monotonic() - start
     join(address, num_processes, process_id, timeout_s=timeout_s)
     times["join"] = time.monotonic() - start - times["leave"]
-    jax.devices()  # the backend starts here: its rendezvous waits for the whole group
+    try:
+        if on_joined is not None:
+            on_joined()
+        jax.devices()  # the backend starts here: its rendezvous waits for the whole group
+    except BaseException:
+        leave()  # the failed start's client (if not disconnected already) and its cached failure go
+        raise
     _in_group[0] = True
     _write_own_cache_entries()
     times["backend"] = time.monotonic() - start - times["leave"] - times["join"]

@@ -8,8 +8,8 @@ from typing import Literal
 __all__ = ["KILL_MOMENTS", "During", "Fault", "FaultKind"]
 
 FaultKind = Literal["kill", "revive", "silence", "transient", "kill_client", "hang", "supervisor_restart"]
-During = Literal["step", "collective", "forming", "restore"]
-KILL_MOMENTS: tuple[str, ...] = ("step", "collective", "forming", "restore")
+During = Literal["step", "collective", "forming", "joined", "restore"]
+KILL_MOMENTS: tuple[str, ...] = ("step", "collective", "forming", "joined", "restore")
 
 
 @dataclass(frozen=True, kw_only=True)

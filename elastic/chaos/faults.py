@@ -30,8 +30,9 @@ class Faults:
         """Slice ``slice`` dies as step ``at_step`` runs: its agent is killed and its devices fail.
 
         Multi-process mode only, ``during`` places the worker's SIGKILL elsewhere: ``"collective"``, a moment
-        into the step (its computation and collectives in flight); ``"forming"`` / ``"restore"``, in the first
-        re-formation of the group once the job has reached ``at_step``, as the group forms or as it restores."""
+        into the step (its computation and collectives in flight); ``"forming"`` / ``"joined"`` / ``"restore"``, in
+        the first re-formation of the group once the job has reached ``at_step``: before its rendezvous, after it
+        (the group's backend not started), or as it restores."""
         if during not in KILL_MOMENTS:
             raise ConfigError(f"kill_slice during={during!r}: choose one of {', '.join(KILL_MOMENTS)}")
         return self._add(Fault(kind="kill", slice=slice, at_step=at_step, during=during))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DriverFaults", "FaultInjector", "WorkerFaults", "snapshotter_of"]
 
+PHASE_KILLS = ("forming", "joined", "restore")  # kills a worker places in a re-formation (see phase), not in a step
 DRILL_NAMESPACE = "elastic-drills"  # Ray KV namespace of the marks of worker faults fired
 
 
@@ -162,7 +163,7 @@ class WorkerFaults:
                 if fault.hold:
                     self._hold(context, fault)
                 continue
-            if (fault.slice is not None and fault.slice != slice_index) or fault.during in ("forming", "restore"):
+            if (fault.slice is not None and fault.slice != slice_index) or fault.during in PHASE_KILLS:
                 continue
             self._fired.add(fault)
             if fault.slice is not None and not self._first(fault):
@@ -184,9 +185,10 @@ class WorkerFaults:
         return any(f.slice == slice and f.kind in ("kill", "silence", "hang") for f in self.faults)
 
     def phase(self, name: str, context: Any) -> None:
-        """A re-formation of the group reached ``name`` ("forming": before the rendezvous; "restore": the group
-        formed, the state not placed yet): kill this worker if a fault of its slice is due there. Only a process
-        that trained up to the fault's step itself fires it (a replacement process does not kill itself again)."""
+        """A re-formation of the group reached ``name`` ("forming": before the rendezvous; "joined": after it,
+        before the group's backend starts; "restore": the group formed, the state not placed yet): kill this
+        worker if a fault of its slice is due there. Only a process that trained up to the fault's step itself
+        fires it (a replacement process does not kill itself again)."""
         for fault in self.faults:
             if (
                 fault.kind == "kill"

@@ -69,7 +69,8 @@ class WorkerHook(Protocol):
         ...
 
     def phase(self, name: str, context: StepContext) -> None:
-        """A re-formation reached ``name`` ("forming": before the rendezvous; "restore": formed, state not placed)."""
+        """A re-formation reached ``name`` ("forming": before the rendezvous; "joined": after it, before the group's
+        backend starts; "restore": formed, state not placed)."""
         ...
 
     def takes(self, slice: int) -> bool:

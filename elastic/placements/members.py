@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,10 +38,19 @@ class Members:
         self.pids: dict[int, int] = {}
         self.nodes: dict[int, str] = {}  # slice -> the Ray node its worker of the current group runs on
 
-    def collect(self, refs: dict[Any, int], *, timeout: float, what: str) -> dict[int, Any]:
+    def collect(
+        self,
+        refs: dict[Any, int],
+        *,
+        timeout: float,
+        what: str,
+        on_death: Callable[[set[int]], None] | None = None,
+    ) -> dict[int, Any]:
         """Every member's answer; a member that died or did not answer is a lost slice (a slice-loss error), and
-        so is one whose join broke on a lost peer; one whose join failed on its own error is an ``ElasticError``."""
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        so is one whose join broke on a lost peer; one whose join failed on its own error is an ``ElasticError``.
+        ``on_death(waiting)``: called once, as soon as a member's process died, with the members still answering
+        (to release them from a wait on it)."""
+        ready = _gather(refs, timeout, on_death)
         out: dict[int, Any] = {}
         missing = []
         self.died = set()
@@ -139,6 +149,33 @@ class Members:
         """Which of these lost slices already have a newer worker than the one lost (``lost``: as ``lost`` said)."""
         group = self._group()
         return frozenset(s for s in slices if lost and s in lost and (group.incarnation(s) or -1) > lost[s])
+
+
+def _gather(refs: dict[Any, int], timeout: float, on_death: Callable[[set[int]], None] | None) -> set[Any]:
+    """The refs that resolved within ``timeout``; ``on_death`` as :meth:`Members.collect` says."""
+    if on_death is None:
+        return set(ray.wait(list(refs), num_returns=len(refs), timeout=timeout)[0])
+    deadline = time.monotonic() + timeout
+    ready: set[Any] = set()
+    pending = list(refs)
+    told = False
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        ready.update(done)
+        if not told and pending and any(_died(ref) for ref in done):
+            told = True
+            on_death({refs[ref] for ref in pending})
+    return ready
+
+
+def _died(ref: Any) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - any other error is the member's answer, read by collect
+        return False
+    return False
 
 
 def restarted(pids: dict[int, int], previous: Iterable[int], last: dict[int, int], gone: set[int]) -> set[int]:

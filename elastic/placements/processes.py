@@ -16,6 +16,7 @@ re-forms with the new member. The workers are the slices' agents: the supervisor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -185,6 +186,7 @@ class ProcessPlacement:
                 refs,
                 timeout=self.config.startup_timeout_s + 2 * self._procs.rendezvous_timeout_s,
                 what=f"group {plan.epoch} to form",
+                on_death=functools.partial(self._abandon, plan.epoch, handles),
             )
             self._depart(leavers)  # after the survivors re-formed (they may have read from it), before its group ends
         except runtime.SliceLostError:
@@ -225,6 +227,13 @@ class ProcessPlacement:
         if live:
             return Placed(how="moved", step=step, detail=detail)
         return Placed(how="restored", step=step, tier=source.value, generation=step, meta=meta, detail=detail)
+
+    def _abandon(self, epoch: int, handles: dict[int, Any], waiting: set[int]) -> None:
+        """A member died as group ``epoch`` formed: the ``waiting`` members, who may wait minutes for its part of
+        the group's backend, give it up now and answer (their state is kept for the next group)."""
+        self._log.warning("group_abandoned", epoch=epoch, waiting=sorted(waiting))
+        for s in waiting:
+            handles[s].abandon.remote(epoch)
 
     def _leavers(self, view: View, previous: tuple[int, ...], *, live: bool) -> dict[int, Any]:
         """The workers of the last group's members that leave on notice at this boundary (alive, not replaced)."""

@@ -95,6 +95,9 @@ class SliceWorker:
         )
         self._runner = PassRunner(slice_index, spec, supervisor, self._holdings, self._save)
         self._abstract: Any = None
+        self._forming: int | None = None  # the group whose rendezvous or backend start this process is in
+        self._abandoned: int | None = None  # the group the driver gave up forming
+        self._forming_lock = threading.Lock()
         jax.monitoring.register_event_duration_secs_listener(self._runner.on_duration)  # type: ignore[arg-type]
         self._signals: SignalNotice | None = None
         if cfg.notices.signal is not None:  # a scheduler's warning before it takes this host: a notice
@@ -215,6 +218,19 @@ class SliceWorker:
         check_control(self._control, token, "abort", self._log)
         return self._runner.abort(epoch)
 
+    def abandon(self, epoch: int, token: str | None = None) -> bool:
+        """Give up forming group ``epoch`` (a member died after the rendezvous; the rest would wait for its
+        topology for minutes): this process's client is shut, so its ``prepare`` answers ``PEER_LOST`` at once and
+        the process lives on for the next group. False if it is not forming that group."""
+        check_control(self._control, token, "abandon", self._log)
+        with self._forming_lock:
+            if self._forming != epoch:
+                return False
+            self._log.warning("group_abandoned", epoch=epoch)
+            self._abandoned = epoch  # a rendezvous still connecting ends at its end (see _joined)
+            distributed.disconnect()
+            return True
+
     # -- a group -----------------------------------------------------------------------------------------------------
     def prepare(self, plan: GroupPlan, token: str | None = None) -> Joined:
         """Join group ``plan.epoch`` (leaving the previous one), build its mesh and put the state on it."""
@@ -236,13 +252,23 @@ class SliceWorker:
             Joined, slice=self.slice, pid=os.getpid(), epoch=plan.epoch, node=ray.get_runtime_context().get_node_id()
         )
         self._phase("forming", plan)
+        with self._forming_lock:
+            self._forming = plan.epoch
         try:
             reform = distributed.reform(
-                plan.address, len(plan.members), index, timeout_s=plan.rendezvous_timeout_s, phases=phases
+                plan.address,
+                len(plan.members),
+                index,
+                timeout_s=plan.rendezvous_timeout_s,
+                phases=phases,
+                on_joined=functools.partial(self._joined, plan),
             )
         except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
             info = error_info(err, context=f"the rendezvous of group {plan.epoch} failed", limit=300)
             return joined(ending=Ending.PEER_LOST, error=info)
+        finally:
+            with self._forming_lock:
+                self._forming = None
         wrong = self._wrong_devices()
         if wrong:
             return joined(ending=Ending.ERROR, error=ErrorInfo(type_name="", message=wrong))
@@ -288,6 +314,14 @@ class SliceWorker:
             restore_seconds=round(time.monotonic() - start, 3),
             phases={k: round(v, 3) for k, v in phases.items()},
         )
+
+    def _joined(self, plan: GroupPlan) -> None:
+        """Between the rendezvous and the backend's start: a drill's faults there, and the end of a group the
+        driver gave up while this process was still connecting."""
+        self._phase("joined", plan)
+        with self._forming_lock:
+            if self._abandoned == plan.epoch:
+                raise runtime.SliceLostError(f"group {plan.epoch} was abandoned: a member died as it formed")
 
     def _phase(self, name: str, plan: GroupPlan) -> None:
         """A drill's faults placed in a re-formation (only for a process that has trained: a next step > 0)."""

@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Trainer, optax_step
+from elastic import ElasticConfig, ElasticJob, Faults, Policy, Run, Tiers, Trainer, optax_step
 from elastic.demos.demo import batch, init_params, loss_fn
 
 
 def config(job_name: str, **overrides) -> ElasticConfig:
+    """A small simulated job. No keeper tier unless ``tiers`` names one: a keeper is a Ray actor process of its own
+    (about a CPU-second to start), and the tests of that tier ask for it."""
     base = dict(
         job_name=job_name,
         simulated=True,
@@ -24,6 +26,7 @@ def config(job_name: str, **overrides) -> ElasticConfig:
         heartbeat_interval_s=0.3,
         heartbeat_timeout_s=1.5,
         policy=Policy(min_slices=2, repair_timeout_s=30.0),
+        tiers=Tiers(keepers=0),
     )
     base.update(overrides)
     return ElasticConfig(**base)

@@ -248,7 +248,7 @@ def test_keepers_answer_their_job_only_and_a_forged_image_is_refused(ray_local):
 
 def test_a_job_attacked_mid_run_ends_equal_to_the_reference(ray_local):
     """Hijack, forged record, keeper drop and cleanup attempts while the job trains: all refused, result unchanged."""
-    t = trainer(f"iso-run-{uuid.uuid4().hex[:6]}")
+    t = trainer(f"iso-run-{uuid.uuid4().hex[:6]}", tiers=Tiers())  # with its keeper, for the attack on it
     job = t.job.config.job_name
     attacked = threading.Event()
     outcomes: dict[str, bool] = {}

@@ -43,8 +43,8 @@ from tests.integration.helpers import trainer
 result = trainer({job!r}, Faults().kill_slice(1, at_step=12), num_steps={steps}).fit()
 r = result.report
 with open({report!r} + ".tmp", "w") as out:  # a file: Ray's own warnings may land on stdout mid-line
-    json.dump({{"port": port, "steps_committed": r.steps_committed, "recoveries": r.recoveries, "slices_final": r.slices_final,
-               "snapshot_held_bytes": r.snapshot_held_bytes}}, out)
+    json.dump({{"port": port, "steps_committed": r.steps_committed, "recoveries": r.recoveries,
+               "slices_final": r.slices_final, "snapshot_held_bytes": r.snapshot_held_bytes}}, out)
 os.replace({report!r} + ".tmp", {report!r})
 sys.stdin.read()  # keep Ray (and the driver's metrics) up until the test has read them
 ray.shutdown()
