@@ -179,9 +179,16 @@ _LONG_FIRST = (
 )
 
 
+# The files whose tests leave the shared embedded Ray for a cluster of their own (``fresh_cluster``) come last, each
+# such test last in its file: the shared Ray they shut down is then not started again for the tests after them.
+_FRESH_LAST = ("test_events.py", "test_keeper.py", "test_ray_drain.py", "test_supervisor.py")
+
+
 def pytest_collection_modifyitems(items) -> None:
     def rank(item) -> int:
         name = item.path.name
+        if name in _FRESH_LAST:
+            return len(_LONG_FIRST) + 1
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order inside a file, and among the rest, is kept

@@ -21,6 +21,46 @@ pytestmark = pytest.mark.integration
 TIMEOUT_S, INTERVAL_S = 1.5, 0.1
 
 
+def _usage(sup):
+    try:
+        return ray.get(sup.usage.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def test_a_writer_keeps_its_newest_records_only(ray_local):
+    job = f"ev-bound-{uuid.uuid4().hex[:6]}"
+    run = events.new_run(job)
+    stream = events.EventStream(job, run, "client-1", keep=10)
+    for i in range(25):
+        stream.append("progress", step=i)
+    kept = events.read(job, run, writers=["client-1"])
+    assert [r["step"] for r in kept] == list(range(15, 25)) and stream.failed == 0
+    again = events.EventStream(job, run, "client-1", keep=10)  # a restarted writer continues the sequence
+    assert again.append("progress", step=25)["seq"] == 25
+    for _ in range(events.KEEP_RUNS):
+        events.new_run(job)
+    assert run not in events.runs(job)  # a job keeps its newest runs only
+    events.delete(job)
+    assert events.runs(job) == [] and events.read(job) == []
+
+
+@pytest.mark.timeout(120)
+def test_records_written_behind_the_caller_land_in_order_by_flush(ray_local):
+    """``append_behind`` (the client's timeline and progress: a loop or a recovery never waits for the GCS)
+    returns the record at once; ``flush`` returns once all have landed, each under its own seq, in order."""
+    job = f"ev-behind-{uuid.uuid4().hex[:6]}"
+    run = events.new_run(job)
+    stream = events.EventStream(job, run, "client-2", keep=100)
+    assert stream.flush(1.0)  # nothing written behind yet
+    sent = [stream.append_behind("progress", step=i) for i in range(30)]
+    assert [r["seq"] for r in sent] == list(range(30))
+    assert stream.flush(30.0)
+    kept = events.read(job, run, writers=["client-2"])
+    assert [r["step"] for r in kept] == list(range(30)) and stream.failed == 0
+    events.delete(job)
+
+
 @pytest.mark.timeout(240)
 def test_the_stream_survives_a_supervisor_restart_on_another_node():
     with fresh_cluster(2, [{"num_cpus": 1, "resources": {"supervisor_host": 1}}] * 2) as (cluster, hosts):
@@ -69,43 +109,3 @@ def test_the_stream_survives_a_supervisor_restart_on_another_node():
         for a in [*agents[:2], sup]:
             ray.kill(a, no_restart=True)
         events.delete(job)
-
-
-def _usage(sup):
-    try:
-        return ray.get(sup.usage.remote(), timeout=5)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return None
-
-
-def test_a_writer_keeps_its_newest_records_only(ray_local):
-    job = f"ev-bound-{uuid.uuid4().hex[:6]}"
-    run = events.new_run(job)
-    stream = events.EventStream(job, run, "client-1", keep=10)
-    for i in range(25):
-        stream.append("progress", step=i)
-    kept = events.read(job, run, writers=["client-1"])
-    assert [r["step"] for r in kept] == list(range(15, 25)) and stream.failed == 0
-    again = events.EventStream(job, run, "client-1", keep=10)  # a restarted writer continues the sequence
-    assert again.append("progress", step=25)["seq"] == 25
-    for _ in range(events.KEEP_RUNS):
-        events.new_run(job)
-    assert run not in events.runs(job)  # a job keeps its newest runs only
-    events.delete(job)
-    assert events.runs(job) == [] and events.read(job) == []
-
-
-@pytest.mark.timeout(120)
-def test_records_written_behind_the_caller_land_in_order_by_flush(ray_local):
-    """``append_behind`` (the client's timeline and progress: a loop or a recovery never waits for the GCS)
-    returns the record at once; ``flush`` returns once all have landed, each under its own seq, in order."""
-    job = f"ev-behind-{uuid.uuid4().hex[:6]}"
-    run = events.new_run(job)
-    stream = events.EventStream(job, run, "client-2", keep=100)
-    assert stream.flush(1.0)  # nothing written behind yet
-    sent = [stream.append_behind("progress", step=i) for i in range(30)]
-    assert [r["seq"] for r in sent] == list(range(30))
-    assert stream.flush(30.0)
-    kept = events.read(job, run, writers=["client-2"])
-    assert [r["step"] for r in kept] == list(range(30)) and stream.failed == 0
-    events.delete(job)

@@ -100,50 +100,6 @@ def test_below_min_slices_the_job_waits_for_the_replacement_it_started_instead_o
     assert lost <= 1 and 1 <= report["recoveries"] <= 1 + lost and report["failures_injected"] == 1, report
 
 
-@pytest.mark.timeout(300)
-def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one() -> None:
-    host = {"num_cpus": 1, "resources": {"trainer_host": 2}}  # two hosts of two worker processes each
-    with fresh_cluster(1, [host, host]) as (cluster, _):
-        spec = ProcessDemoSpec(steps=30, num_slices=4, snapshot_every=5, job_name="processes-node")
-        config = process_config(
-            spec,
-            processes=Processes(resources_per_worker={"trainer_host": 1}, standby=False),
-            policy=Policy(min_slices=1, repair_timeout_s=120.0),
-        )
-        removed: list[int] = []
-        niceness: dict[int, set[int]] = {}
-
-        def remove_at_six(step: int, metrics: dict, run) -> None:
-            if step == 6 and not removed:
-                for s in range(4):  # every thread of every worker, Ray's included (nodes of one machine here)
-                    pid = ray.get(job.group.agent(s).where.remote(), timeout=30)[0]
-                    niceness[s] = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-                node_of = {s: ray.get(job.group.agent(s).where.remote(), timeout=30)[1] for s in range(4)}
-                removed.extend(s for s in range(4) if node_of[s] == node_of[1])
-                (node,) = [n for n in cluster.worker_nodes if n.node_id == node_of[1]]
-                cluster.remove_node(node)
-                cluster.add_node(num_cpus=1, resources={"trainer_host": 2})
-
-        job = ElasticJob(config, init_fn=_demo_init(), on_step=remove_at_six)
-        with job:
-            result = job.run(_held_loop(config.namespace, at_step=20))
-        report = result.report.to_dict()
-        assert len(removed) == 2  # the scheduler put two on each host
-        # this cluster starts its workers at Ray's nice 15 (it is not connect's): the job's ran at 0 from their start
-        assert niceness == {s: {0} for s in range(4)}, niceness
-        assert report["recoveries"] >= 1 and report["grows"] >= 1
-        assert report["min_slices_seen"] <= 2 and report["slices_final"] == 4
-        assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0
-        assert report["worker_processes_restarted"] == 0
-        # a worker on the live node may die with its gloo peer (the ring neighbour of a lost one); not both
-        assert report["survivors_lost"] <= 1
-        from elastic.demos.demo import max_abs_diff
-        from elastic.demos.processes import reference_params
-
-        reference, _ = reference_params(spec)
-        assert max_abs_diff(result.state["params"], reference) <= 1e-4
-
-
 def _held_loop(namespace: str, at_step: int):
     """The demo loop, except that before ``at_step`` every worker waits (bounded) until the supervisor's view holds
     every slice again: the group cannot finish before the new processes join, however slow their start."""
@@ -275,3 +231,47 @@ def test_without_keepers_the_orbax_tier_restores_each_worker_having_written_its_
     assert [r["tier"] for r in report.restores] == ["persistent"] and report.restores[0]["step"] in (3, 6)
     assert report.duplicate_steps == 0 and report.skipped_steps == 0 and report.steps_committed == STEPS
     np.testing.assert_allclose(np.asarray(result.state["w"]), _sharded_reference(STEPS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_removed_node_takes_its_workers_and_the_group_grows_back_on_a_new_one() -> None:
+    host = {"num_cpus": 1, "resources": {"trainer_host": 2}}  # two hosts of two worker processes each
+    with fresh_cluster(1, [host, host]) as (cluster, _):
+        spec = ProcessDemoSpec(steps=30, num_slices=4, snapshot_every=5, job_name="processes-node")
+        config = process_config(
+            spec,
+            processes=Processes(resources_per_worker={"trainer_host": 1}, standby=False),
+            policy=Policy(min_slices=1, repair_timeout_s=120.0),
+        )
+        removed: list[int] = []
+        niceness: dict[int, set[int]] = {}
+
+        def remove_at_six(step: int, metrics: dict, run) -> None:
+            if step == 6 and not removed:
+                for s in range(4):  # every thread of every worker, Ray's included (nodes of one machine here)
+                    pid = ray.get(job.group.agent(s).where.remote(), timeout=30)[0]
+                    niceness[s] = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+                node_of = {s: ray.get(job.group.agent(s).where.remote(), timeout=30)[1] for s in range(4)}
+                removed.extend(s for s in range(4) if node_of[s] == node_of[1])
+                (node,) = [n for n in cluster.worker_nodes if n.node_id == node_of[1]]
+                cluster.remove_node(node)
+                cluster.add_node(num_cpus=1, resources={"trainer_host": 2})
+
+        job = ElasticJob(config, init_fn=_demo_init(), on_step=remove_at_six)
+        with job:
+            result = job.run(_held_loop(config.namespace, at_step=20))
+        report = result.report.to_dict()
+        assert len(removed) == 2  # the scheduler put two on each host
+        # this cluster starts its workers at Ray's nice 15 (it is not connect's): the job's ran at 0 from their start
+        assert niceness == {s: {0} for s in range(4)}, niceness
+        assert report["recoveries"] >= 1 and report["grows"] >= 1
+        assert report["min_slices_seen"] <= 2 and report["slices_final"] == 4
+        assert report["duplicate_steps"] == 0 and report["skipped_steps"] == 0
+        assert report["worker_processes_restarted"] == 0
+        # a worker on the live node may die with its gloo peer (the ring neighbour of a lost one); not both
+        assert report["survivors_lost"] <= 1
+        from elastic.demos.demo import max_abs_diff
+        from elastic.demos.processes import reference_params
+
+        reference, _ = reference_params(spec)
+        assert max_abs_diff(result.state["params"], reference) <= 1e-4

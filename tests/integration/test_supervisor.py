@@ -35,6 +35,29 @@ def test_supervisor_restart_rebuilds_view_and_keeps_supervising(ray_local):
     assert r.steps_committed == 30 and r.min_slices_seen == 4 and r.duplicate_steps == 0
 
 
+def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):
+    from elastic.control.cluster import ActorGroup
+    from elastic.control.teardown import cleanup
+
+    from .helpers import config
+
+    group = ActorGroup(config("leftover"))
+    group.launch()  # and never shut down, as if the driver had been SIGKILLed
+    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == "elastic-leftover"}
+    assert names == {"supervisor", "agent-0-0", "agent-1-0", "agent-2-0", "agent-3-0"}
+    assert cleanup("leftover") == sorted(names)
+    # ray.kill is asynchronous: a call made at once may still be answered (seen once under a full CI run); within
+    # a bound, the supervisor's calls fail
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(group.supervisor.view.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the supervisor still answers 30 s after cleanup killed it"
+        time.sleep(0.2)
+
+
 def test_host_loss_on_a_real_ray_node():
     """A Ray node holding slice 3's agent is removed for real: the job shrinks and loses no step."""
     with fresh_cluster(2, [{"num_cpus": 0}]) as (cluster, (host,)):
@@ -57,26 +80,3 @@ def test_host_loss_on_a_real_ray_node():
         lost = [e["cause"] for e in events if e["kind"] == "health" and e["slice"] == 3 and not e["healthy"]]
         # Ray may notice the dead node (the agent's lifeline fails) or the heartbeats stop first.
         assert lost and ("agent died" in lost[0] or "no heartbeat" in lost[0]), lost
-
-
-def test_cleanup_kills_a_crashed_drivers_leftover_actors(ray_local):
-    from elastic.control.cluster import ActorGroup
-    from elastic.control.teardown import cleanup
-
-    from .helpers import config
-
-    group = ActorGroup(config("leftover"))
-    group.launch()  # and never shut down, as if the driver had been SIGKILLed
-    names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == "elastic-leftover"}
-    assert names == {"supervisor", "agent-0-0", "agent-1-0", "agent-2-0", "agent-3-0"}
-    assert cleanup("leftover") == sorted(names)
-    # ray.kill is asynchronous: a call made at once may still be answered (seen once under a full CI run); within
-    # a bound, the supervisor's calls fail
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            ray.get(group.supervisor.view.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() < deadline, "the supervisor still answers 30 s after cleanup killed it"
-        time.sleep(0.2)
