@@ -26,7 +26,7 @@ def config(job_name: str, **overrides) -> ElasticConfig:
         heartbeat_interval_s=0.3,
         heartbeat_timeout_s=1.5,
         policy=Policy(min_slices=2, repair_timeout_s=30.0),
-        tiers=Tiers(keepers=0),
+        tiers=Tiers(keeper_every=0),
     )
     base.update(overrides)
     return ElasticConfig(**base)
