@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import ray
 
+from elastic import Tiers
 from elastic.pool import JobSpec
 from elastic.pool.access import user_credential
 from elastic.pool.client import find_pool, start_pool
@@ -127,7 +128,9 @@ def test_suspended_to_its_keepers_and_resumed(pool) -> None:
         elif step == 7:  # the pool's reclaim of every slice is pending before the job's last steps run (unpaced)
             until(lambda: op.call("lease", "low")["leave"], 60, "the pool to reclaim low's slices")
 
-    job, loop = ledger_job("low", on_step=on_step, num_steps=16, pool=name, min_slices=2, max_slices=2)
+    job, loop = ledger_job(
+        "low", on_step=on_step, num_steps=16, pool=name, min_slices=2, max_slices=2, tiers=Tiers()
+    )  # suspended to its keepers
     with job:
         result = job.run(loop)
     np.testing.assert_array_equal(np.asarray(result.state["applied"]), np.ones(16, np.int32))
