@@ -174,7 +174,6 @@ _LONG_FIRST = (
     "test_data_pipeline.py",
     "test_processes.py",
     "test_operator_cli.py",
-    "test_job_submit.py",
     "test_tiers.py",
 )
 

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from elastic.control.report import Ledger
 from elastic.control.sources import Source
 from elastic.log import get_logger
 from elastic.loop.shardings import replicate_all, state_shardings
+from elastic.placements.forming import Forming
 from elastic.placements.group_restore import restore_group
 from elastic.placements.group_tiers import GroupTiers
 from elastic.placements.holdings import Holdings
@@ -95,9 +97,7 @@ class SliceWorker:
         )
         self._runner = PassRunner(slice_index, spec, supervisor, self._holdings, self._save)
         self._abstract: Any = None
-        self._forming: int | None = None  # the group whose rendezvous or backend start this process is in
-        self._abandoned: int | None = None  # the group the driver gave up forming
-        self._forming_lock = threading.Lock()
+        self._forming = Forming()
         jax.monitoring.register_event_duration_secs_listener(self._runner.on_duration)  # type: ignore[arg-type]
         self._signals: SignalNotice | None = None
         if cfg.notices.signal is not None:  # a scheduler's warning before it takes this host: a notice
@@ -219,17 +219,14 @@ class SliceWorker:
         return self._runner.abort(epoch)
 
     def abandon(self, epoch: int, token: str | None = None) -> bool:
-        """Give up forming group ``epoch`` (a member died after the rendezvous; the rest would wait for its
-        topology for minutes): this process's client is shut, so its ``prepare`` answers ``PEER_LOST`` at once and
-        the process lives on for the next group. False if it is not forming that group."""
+        """Give up preparing group ``epoch`` (a member died as it formed: see :mod:`~elastic.placements.forming`):
+        ``prepare`` then answers ``PEER_LOST`` at once and the state held here is kept for the next group. False if
+        this process is not preparing that group."""
         check_control(self._control, token, "abandon", self._log)
-        with self._forming_lock:
-            if self._forming != epoch:
-                return False
+        done = self._forming.abandon(epoch)
+        if done:
             self._log.warning("group_abandoned", epoch=epoch)
-            self._abandoned = epoch  # a rendezvous still connecting ends at its end (see _joined)
-            distributed.disconnect()
-            return True
+        return done
 
     # -- a group -----------------------------------------------------------------------------------------------------
     def prepare(self, plan: GroupPlan, token: str | None = None) -> Joined:
@@ -247,18 +244,20 @@ class SliceWorker:
         self._prepared = None
         self._runner.begin_group(plan.epoch)
         phases["end_group"] = time.monotonic() - start
-        index = plan.members.index(self.slice)
         joined = functools.partial(
             Joined, slice=self.slice, pid=os.getpid(), epoch=plan.epoch, node=ray.get_runtime_context().get_node_id()
         )
         self._phase("forming", plan)
-        with self._forming_lock:
-            self._forming = plan.epoch
+        with self._forming.preparing(plan.epoch):
+            return self._form(plan, joined, phases, start)
+
+    def _form(self, plan: GroupPlan, joined: Callable[..., Joined], phases: dict[str, float], start: float) -> Joined:
+        """:meth:`prepare` from the rendezvous on."""
         try:
             reform = distributed.reform(
                 plan.address,
                 len(plan.members),
-                index,
+                plan.members.index(self.slice),
                 timeout_s=plan.rendezvous_timeout_s,
                 phases=phases,
                 on_joined=functools.partial(self._joined, plan),
@@ -266,9 +265,6 @@ class SliceWorker:
         except Exception as err:  # noqa: BLE001 - a member died before the group formed: this one lives on
             info = error_info(err, context=f"the rendezvous of group {plan.epoch} failed", limit=300)
             return joined(ending=Ending.PEER_LOST, error=info)
-        finally:
-            with self._forming_lock:
-                self._forming = None
         wrong = self._wrong_devices()
         if wrong:
             return joined(ending=Ending.ERROR, error=ErrorInfo(type_name="", message=wrong))
@@ -294,8 +290,9 @@ class SliceWorker:
             phases["place"] = time.monotonic() - mark - phases["shardings"]
             state = jax.block_until_ready(state)  # part of preparing: the first snapshot must not wait for it
             phases["placed"] = time.monotonic() - mark
+            self._tiers.begin(plan.members, plan.peers, mesh, state)  # an Orbax tier syncs the group here
         except Exception as err:  # noqa: BLE001 - classified once: a lost peer is recovered, the rest reported
-            ending = classify(err)
+            ending = Ending.PEER_LOST if self._forming.abandoned(plan.epoch) else classify(err)
             ending = Ending.ERROR if ending is Ending.HUNG else ending  # no step ran: only a lost peer is recovered
             return joined(ending=ending, error=error_info(err), reform_seconds=reform)
         ledger = Ledger()
@@ -307,7 +304,6 @@ class SliceWorker:
         self._prepared = (mesh, state, begin, extras, ledger)
         phases["restore"] = time.monotonic() - mark
         phases.update({f"leave_{k}": v for k, v in distributed.LEAVE_TIMES.items()})
-        self._tiers.begin(plan.members, plan.peers, mesh, state)
         return joined(
             meta=meta,
             reform_seconds=reform,
@@ -316,12 +312,9 @@ class SliceWorker:
         )
 
     def _joined(self, plan: GroupPlan) -> None:
-        """Between the rendezvous and the backend's start: a drill's faults there, and the end of a group the
-        driver gave up while this process was still connecting."""
+        """Between the rendezvous and the backend's start: a drill's faults there, and a group given up meanwhile."""
         self._phase("joined", plan)
-        with self._forming_lock:
-            if self._abandoned == plan.epoch:
-                raise runtime.SliceLostError(f"group {plan.epoch} was abandoned: a member died as it formed")
+        self._forming.check(plan.epoch)
 
     def _phase(self, name: str, plan: GroupPlan) -> None:
         """A drill's faults placed in a re-formation (only for a process that has trained: a next step > 0)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .test_quiet import assert_quiet
+
 pytestmark = pytest.mark.integration
 
 KEYS = {
@@ -46,6 +48,7 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_demo_json_verify(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTIC_RECORD_DIR")}
     env["ELASTIC_HOME"] = str(tmp_path / "home")  # the run's records, for the operator CLI below
+    env["PYTHONWARNINGS"] = "default"  # a normal run is quiet: no Python warning shown, no Ray notice (below)
     proc = subprocess.run(
         [str(ELASTIC), "demo", "--json", "--verify", "--steps", "60", "--kill-at", "23", "--revive-at", "40"],
         capture_output=True,
@@ -57,6 +60,7 @@ def test_demo_json_verify(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must hold one JSON object, got: {proc.stdout[-2000:]}"
+    assert_quiet(proc.stderr)
     out = json.loads(lines[0])
     assert KEYS <= out.keys()
     assert out["joined_existing_cluster"] is False  # no RAY_ADDRESS: an embedded cluster of its own
