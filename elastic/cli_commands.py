@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -36,9 +37,11 @@ def force_cpu_devices(count: int, *, what: str = "the job") -> None:
 
 def stdout_for_result() -> TextIO:
     """A stream on the real stdout, which from now on holds the result only: anything else written to file
-    descriptor 1 (Ray's messages, child processes) goes to stderr."""
+    descriptor 1 (Ray's messages, child processes) goes to stderr. Closed at exit (flushed, and no unclosed-file
+    warning)."""
     sys.stdout.flush()
     result = os.fdopen(os.dup(1), "w")
+    atexit.register(result.close)
     os.dup2(2, 1)
     return result
 
