@@ -217,8 +217,10 @@ def test_a_sigkilled_worker_survivors_reform_in_place_and_a_new_one_joins(ray_lo
     assert report["snapshot_copies"] == 2 and report["snapshot_held_bytes"] > 0
     # each new process joined: one grow each, or one for both when they register before the same boundary; or,
     # where a survivor lost while the group re-formed held the restore up (seen on a loaded machine), the new
-    # processes were up in time to form the group with the survivors: a restore onto 3 slices, no grow
-    assert report["grows"] <= len(lost) and report["slices_final"] == 3, events
+    # processes were up in time to form the group with the survivors: a restore onto 3 slices, no grow. The lost
+    # survivor's replacement starts later than the killed one's: on a loaded machine the job may end before it is up
+    assert report["grows"] <= len(lost), events
+    assert report["slices_final"] == 3 or (len(lost) == 2 and report["slices_final"] == 2), events
     if report["grows"] == 0:
         assert len(lost) == 2 and any(e["event"] == "restored" and e["slices"] == 3 for e in events), events
     else:
